@@ -1,0 +1,328 @@
+"""FP8 block-scaled GEMM, DeepSeek-V3 recipe: 1x128 activation scales, 128x128
+weight scales (SPEC.md "FP8 block-scaled GEMM").
+
+Read top to bottom: shapes and checks (shared with the fake impls), the
+reference math, the thin cuBLAS backend, op registration, padding ops.  The
+fast kernels (Triton, CUTLASS) live in their own modules and register
+themselves as backends of the ``fp8_block`` family.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scaledmm import backends
+from scaledmm import validation as V
+from scaledmm.backends import Backend, Family, Problem
+from scaledmm.oplib import FP8_DTYPE, FP8_MAX, define, run
+
+FAMILY = Family.FP8_BLOCK
+ALIGN_M = 4  # what the cutlass and cublas backends need
+
+# ----------------------------------------------------------------------------
+# Shapes and checks (the fake impls call these too)
+# ----------------------------------------------------------------------------
+
+
+def quant_outputs(x: torch.Tensor, group_size: int, eps: float, column_major_scales: bool,
+                  scale_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``per_token_group_quant_fp8`` arguments and allocate (q, s)."""
+    op = "per_token_group_quant_fp8"
+    V.check_dtype(op, "x", x, V.ACT_DTYPES)
+    V.check_rank(op, "x", x, 2)
+    V.check_inner_stride(op, "x", x)
+    if group_size <= 0:
+        V.fail(op, "group_size", "a positive integer", group_size)
+    V.check_divisible(op, "x", x.shape[1], group_size, "K = x.shape[1]")
+    if not eps > 0:
+        V.fail(op, "eps", "a positive float", eps)
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    g = k // group_size
+    if column_major_scales:
+        s = torch.empty((g, m), dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    return q, s
+
+
+def check_mm_args(op: str, a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor,
+                  b_scales: torch.Tensor, block_size: list[int], out_dtype: torch.dtype) -> bool:
+    """Validate ``fp8_block_mm``-schema arguments.  Returns whether
+    ``a_scales`` is column-major."""
+    V.check_dtype(op, "a", a, FP8_DTYPE)
+    V.check_dtype(op, "b", b, FP8_DTYPE)
+    V.check_rank(op, "a", a, 2)
+    V.check_rank(op, "b", b, 2)
+    V.check_inner_stride(op, "a", a)
+    V.check_contiguous(op, "b", b)
+    if len(block_size) != 2 or any(int(x) <= 0 for x in block_size):
+        V.fail(op, "block_size", "two positive ints [bn, bk]", list(block_size))
+    bn, bk = block_size
+    V.check_dim(op, "b", b, 1, a.shape[1], "K = a.shape[1]")
+    m, k = a.shape
+    n = b.shape[0]
+    kb = V.ceil_div(k, bk)
+    col = V.check_scale_matrix(op, "a_scales", a_scales, m, kb, allow_col_major=True)
+    V.check_scale_matrix(op, "b_scales", b_scales, V.ceil_div(n, bn), kb, allow_col_major=False)
+    V.check_out_dtype(op, out_dtype)
+    V.check_same_device(op, a=a, b=b, a_scales=a_scales, b_scales=b_scales)
+    return col
+
+
+def mm_output(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The ``[M, N]`` output every fp8_block GEMM op returns."""
+    return torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
+
+
+def check_linear_args(x, b, b_scales, block_size, out_dtype, bias) -> None:
+    op = "fp8_block_linear"
+    V.check_dtype(op, "x", x, V.HALF_DTYPES)
+    V.check_rank(op, "x", x, 2)
+    V.check_inner_stride(op, "x", x)
+    V.check_dtype(op, "b", b, FP8_DTYPE)
+    V.check_rank(op, "b", b, 2)
+    V.check_contiguous(op, "b", b)
+    if len(block_size) != 2 or any(int(v) <= 0 for v in block_size):
+        V.fail(op, "block_size", "two positive ints [bn, bk]", list(block_size))
+    bn, bk = block_size
+    V.check_dim(op, "b", b, 1, x.shape[1], "K = x.shape[1]")
+    V.check_divisible(op, "x", x.shape[1], bk, "K = x.shape[1] (activation groups of bk)")
+    n, k = b.shape
+    V.check_scale_matrix(op, "b_scales", b_scales, V.ceil_div(n, bn), k // bk, allow_col_major=False)
+    V.check_out_dtype(op, out_dtype)
+    if bias is not None:
+        V.check_dtype(op, "bias", bias, V.FLOAT_OUT_DTYPES)
+        V.check_shape(op, "bias", bias, (n,))
+    V.check_same_device(op, x=x, b=b, b_scales=b_scales, bias=bias)
+
+
+def problem(a: torch.Tensor, b: torch.Tensor, block_size, out_dtype, col_major: bool,
+            m: int | None = None) -> Problem:
+    return Problem(
+        FAMILY, a.device, a.shape[0] if m is None else m, b.shape[0], a.shape[1], a.dtype, out_dtype,
+        a.stride(0) if a.dim() == 2 else 0,
+        (("block_size", (int(block_size[0]), int(block_size[1]))), ("a_scales_col_major", col_major)),
+    )
+
+
+# ----------------------------------------------------------------------------
+# Reference math (the CPU implementation; also a GPU backend)
+# ----------------------------------------------------------------------------
+
+
+def reference_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1e-10,
+                    column_major_scales: bool = False, scale_ue8m0: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SPEC math: s = max(amax, eps) / 448 (ue8m0: 2**ceil(log2 s)); q = e4m3(clamp(x / s))."""
+    q, s = quant_outputs(x, group_size, eps, column_major_scales, scale_ue8m0)
+    m, k = x.shape
+    xg = x.float().reshape(m, k // group_size, group_size)
+    amax = xg.abs().amax(dim=-1) if k else xg.new_zeros((m, 0))
+    scale = torch.clamp(amax, min=eps) / FP8_MAX
+    if scale_ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    qv = torch.clamp(xg / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q.copy_(qv.reshape(m, k))
+    s.copy_(scale)
+    return q, s
+
+
+def _expand_block_scales(s: torch.Tensor, rows: int, cols: int, br: int, bc: int) -> torch.Tensor:
+    """``s[i // br, j // bc]`` as a dense ``[rows, cols]`` float32 tensor."""
+    return s.repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)[:, :cols]
+
+
+def reference_mm(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
+    """Dequantize both operands in fp32 and multiply with fp32 accumulation."""
+    check_mm_args("fp8_block_mm", a, b, a_scales, b_scales, block_size, out_dtype)
+    return _reference_mm_f32(a, b, a_scales, b_scales, block_size).to(out_dtype)
+
+
+def _reference_mm_f32(a, b, a_scales, b_scales, block_size):
+    bn, bk = block_size
+    m, k = a.shape
+    n = b.shape[0]
+    a_deq = a.float() * _expand_block_scales(a_scales, m, k, 1, bk)
+    b_deq = b.float() * _expand_block_scales(b_scales, n, k, bn, bk)
+    return a_deq @ b_deq.t()
+
+
+def reference_linear(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None):
+    """Quantize ``x`` per 1 x bk group, block GEMM in fp32, bias added in fp32."""
+    q, s = reference_quant(x, block_size[1])
+    out = _reference_mm_f32(q, b, s, b_scales, block_size)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------
+# cuBLAS backend: torch._scaled_mm blockwise (sm90+), M % 4 == 0
+# ----------------------------------------------------------------------------
+
+
+def _cublas_supported(device: torch.device) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, "needs a CUDA device"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return False, f"torch._scaled_mm blockwise needs sm90+, device is sm{major}x"
+    return True, "torch._scaled_mm blockwise scaling (cuBLASLt)"
+
+
+def _cublas_can_implement(p: Problem) -> tuple[bool, str]:
+    if p.m % ALIGN_M != 0:
+        return False, f"needs M % {ALIGN_M} == 0, got M={p.m}"
+    if p.opt("block_size") != (128, 128):
+        return False, f"needs block_size (128, 128), got {p.opt('block_size')}"
+    if p.k % 128 != 0 or p.n % 16 != 0:
+        return False, f"needs K % 128 == 0 and N % 16 == 0, got N={p.n}, K={p.k}"
+    if p.out_dtype != torch.bfloat16:
+        return False, f"blockwise cuBLASLt writes bf16 only, got out_dtype={p.out_dtype}"
+    if p.a_row_stride % 16 != 0:
+        return False, f"needs a row stride that is a multiple of 16, got {p.a_row_stride}"
+    return True, "aligned"
+
+
+def cublas_a_scales(a_scales: torch.Tensor) -> torch.Tensor:
+    """1x128 scales outer-dim-major: ``[M, K/128]`` with strides ``(1, M)``."""
+    if a_scales.stride(0) == 1 or a_scales.shape[0] <= 1:
+        return a_scales
+    return a_scales.t().contiguous().t()
+
+
+def cublas_b_scales(b_scales: torch.Tensor) -> torch.Tensor:
+    """128x128 scales as cuBLASLt reads them for ``b.t()``: ``[K/128 padded
+    to 4, N/128]`` row-major, viewed transposed.  Layers prepare this once at
+    load time (``Fp8BlockLinear.process_weights_after_loading``); calling the
+    op with plain scales costs this small copy per call."""
+    nb, kb = b_scales.shape
+    kb4 = V.round_up(kb, 4)
+    if kb4 == kb:
+        return b_scales
+    padded = b_scales.new_zeros((nb, kb4))
+    padded[:, :kb] = b_scales
+    return padded[:, :kb]
+
+
+def cublas_mm(a, b, a_scales, b_scales, block_size, out_dtype):
+    m = a.shape[0]
+    if m == 0:
+        return mm_output(a, b, out_dtype)
+    return torch._scaled_mm(
+        a, b.t(), scale_a=cublas_a_scales(a_scales), scale_b=cublas_b_scales(b_scales).t(),
+        out_dtype=out_dtype,
+    )
+
+
+# ----------------------------------------------------------------------------
+# Ops
+# ----------------------------------------------------------------------------
+
+
+def _quant_impl(x, group_size=128, eps=1e-10, column_major_scales=False, scale_ue8m0=False):
+    quant_outputs(x, group_size, eps, column_major_scales, scale_ue8m0)
+    p = Problem(FAMILY, x.device, x.shape[0], 0, x.shape[1], x.dtype, FP8_DTYPE, x.stride(0),
+                (("group_size", group_size), ("column_major_scales", column_major_scales),
+                 ("scale_ue8m0", scale_ue8m0)))
+    return run(p, "per_token_group_quant_fp8", x, group_size, eps, column_major_scales, scale_ue8m0)
+
+
+def _mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
+    col = check_mm_args("fp8_block_mm", a, b, a_scales, b_scales, block_size, out_dtype)
+    return run(problem(a, b, block_size, out_dtype, col), "fp8_block_mm",
+               a, b, a_scales, b_scales, block_size, out_dtype)
+
+
+def pad_rows(a: torch.Tensor, a_scales: torch.Tensor, multiple: int = ALIGN_M):
+    """Zero rows appended to ``a`` (and scale-1.0 rows to ``a_scales``, in the
+    same layout) up to a multiple of ``multiple`` rows."""
+    m = a.shape[0]
+    mp = V.round_up(m, multiple)
+    a_p = a.new_zeros((mp, a.shape[1]))
+    a_p[:m] = a
+    if a_scales.stride(0) == 1 and m > 1:  # column-major stays column-major
+        s_p = a_scales.new_ones((a_scales.shape[1], mp)).t()
+    else:
+        s_p = a_scales.new_ones((mp, a_scales.shape[1]))
+    s_p[:m] = a_scales
+    return a_p, s_p
+
+
+def _padded_mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
+    col = check_mm_args("padded_fp8_block_mm", a, b, a_scales, b_scales, block_size, out_dtype)
+    m = a.shape[0]
+    a_p, s_p = pad_rows(a, a_scales)
+    p = problem(a_p, b, block_size, out_dtype, col)
+    out = run(p, "fp8_block_mm", a_p, b, s_p, b_scales, block_size, out_dtype)
+    return out[:m]
+
+
+def _dynamic_padded_mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
+    if a.shape[0] % ALIGN_M == 0:
+        return _mm_impl(a, b, a_scales, b_scales, block_size, out_dtype)
+    return _padded_mm_impl(a, b, a_scales, b_scales, block_size, out_dtype)
+
+
+def _linear_impl(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None):
+    check_linear_args(x, b, b_scales, block_size, out_dtype, bias)
+    p = problem(x, b, block_size, out_dtype, False)
+    return run(p, "fp8_block_linear", x, b, b_scales, block_size, out_dtype, bias)
+
+
+def composite_linear(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None):
+    """fp8_block_linear as two ops (quantize, then GEMM in fp32 + bias)."""
+    q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, block_size[1])
+    if bias is None:
+        return torch.ops.scaledmm.fp8_block_mm(q, b, s, b_scales, block_size, out_dtype)
+    out = torch.ops.scaledmm.fp8_block_mm(q, b, s, b_scales, block_size, torch.float32)
+    return (out + bias.float()).to(out_dtype)
+
+
+_MM_SCHEMA = ("(Tensor a, Tensor b, Tensor a_scales, Tensor b_scales, int[] block_size=[128,128], "
+              "ScalarType out_dtype=15) -> Tensor")
+
+per_token_group_quant_fp8 = define(
+    "per_token_group_quant_fp8",
+    "(Tensor x, int group_size=128, float eps=1e-10, bool column_major_scales=False, "
+    "bool scale_ue8m0=False) -> (Tensor q, Tensor s)",
+    _quant_impl,
+)
+fp8_block_mm = define("fp8_block_mm", _MM_SCHEMA, _mm_impl)
+padded_fp8_block_mm = define("padded_fp8_block_mm", _MM_SCHEMA, _padded_mm_impl)
+dynamic_padded_fp8_block_mm = define("dynamic_padded_fp8_block_mm", _MM_SCHEMA, _dynamic_padded_mm_impl)
+fp8_block_linear = define(
+    "fp8_block_linear",
+    "(Tensor x, Tensor b, Tensor b_scales, int[] block_size=[128,128], ScalarType out_dtype=15, "
+    "Tensor? bias=None) -> Tensor",
+    _linear_impl,
+)
+
+def _reference_mm_backend(a, b, a_scales, b_scales, block_size, out_dtype):
+    return _reference_mm_f32(a, b, a_scales, b_scales, block_size).to(out_dtype)
+
+
+backends.register(Backend(
+    FAMILY, "reference",
+    impls={
+        "per_token_group_quant_fp8": reference_quant,
+        "fp8_block_mm": _reference_mm_backend,
+        "fp8_block_linear": reference_linear,
+    },
+    description="plain torch math (dequantize, fp32 matmul); any device",
+))
+backends.register(Backend(
+    FAMILY, "composite",
+    impls={"fp8_block_linear": composite_linear},
+    is_supported=lambda d: (d.type == "cuda", "quantize op + GEMM op" if d.type == "cuda" else "GPU only"),
+    description="fp8_block_linear as per_token_group_quant_fp8 + fp8_block_mm, each auto-selected",
+))
+backends.register(Backend(
+    FAMILY, "cublas",
+    impls={"fp8_block_mm": cublas_mm},
+    is_supported=_cublas_supported,
+    can_implement=_cublas_can_implement,
+    needs_m_multiple=ALIGN_M,
+    description="torch._scaled_mm with 1x128 / 128x128 blockwise scales",
+))

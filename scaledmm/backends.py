@@ -1,0 +1,428 @@
+"""Backend registry: which kernel runs an op on which device.
+
+Every op family (``fp8_block``, ``fp8``, ``nvfp4``, ``skinny``) has a set of
+named backends.  A backend declares two predicates:
+
+* ``is_supported(device) -> (bool, reason)``: can it run on this device at all
+  (GPU architecture, installed packages, ...)?  The answer is cached per device.
+* ``can_implement(problem) -> (bool, reason)``: can it compute this particular
+  problem (alignment of M, N, K, dtypes, strides, ...)?
+
+Automatic selection walks a per-device priority list (fastest measured first)
+and takes the first backend for which both hold.  Users override the choice
+with the environment variable ``SCALEDMM_<FAMILY>_BACKEND=<name>`` or with the
+context manager :func:`use_backend`; an explicit backend that cannot run raises
+with its reason instead of silently falling back.
+
+This module is part of the core: it imports no op module.  Op modules call
+:func:`register` at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import enum
+import functools
+import io
+import os
+from typing import Any, Callable, Iterator
+
+import torch
+
+__all__ = [
+    "Family",
+    "Problem",
+    "Backend",
+    "register",
+    "get",
+    "names",
+    "select",
+    "use_backend",
+    "priority",
+    "set_priority",
+    "arch_key",
+    "report",
+]
+
+
+class Family(str, enum.Enum):
+    """The op families; each one has its own set of backends."""
+
+    FP8_BLOCK = "fp8_block"
+    FP8 = "fp8"
+    NVFP4 = "nvfp4"
+    SKINNY = "skinny"
+
+    @property
+    def env_var(self) -> str:
+        return f"SCALEDMM_{self.value.upper()}_BACKEND"
+
+    @classmethod
+    def parse(cls, family: "Family | str") -> "Family":
+        if isinstance(family, Family):
+            return family
+        try:
+            return cls(family)
+        except ValueError:
+            valid = ", ".join(f.value for f in cls)
+            raise ValueError(f"family: expected one of [{valid}], got {family!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What a backend needs to know to decide whether it can compute a call.
+
+    Parameters
+    ----------
+    family : Family
+        The op family.
+    device : torch.device
+        Device of the operands.
+    m, n, k : int
+        GEMM sizes: activation rows, output columns, reduction length (logical
+        elements, not packed bytes).
+    in_dtype : torch.dtype
+        dtype of the activation operand as given to the op.
+    out_dtype : torch.dtype
+        Requested output dtype.
+    a_row_stride : int
+        Row stride of the activation in elements (``k`` when contiguous).
+    options : tuple of (str, Any)
+        Family-specific facts, e.g. ``("block_size", (128, 128))`` or
+        ``("a_scales_col_major", True)``; read with :meth:`opt`.
+    """
+
+    family: Family
+    device: torch.device
+    m: int
+    n: int
+    k: int
+    in_dtype: torch.dtype
+    out_dtype: torch.dtype
+    a_row_stride: int = 0
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def opt(self, key: str, default: Any = None) -> Any:
+        for k, v in self.options:
+            if k == key:
+                return v
+        return default
+
+
+Predicate = Callable[..., "tuple[bool, str]"]
+
+
+def _always_supported(device: torch.device) -> tuple[bool, str]:
+    return True, "runs anywhere"
+
+
+def _always_implements(problem: Problem) -> tuple[bool, str]:
+    return True, "any problem"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity (lru_cache key)
+class Backend:
+    """One implementation of an op family.
+
+    Parameters
+    ----------
+    family : Family
+        Family it implements.
+    name : str
+        Name users pass to ``use_backend`` and the environment variable.
+    impls : dict
+        Op name (e.g. ``"fp8_block_mm"``) -> callable with the op's signature.
+        A backend may implement a subset of the family's ops.
+    is_supported : callable(device) -> (bool, str)
+    can_implement : callable(problem) -> (bool, str)
+    needs_m_multiple : int
+        M alignment the backend needs (1 = any M).  The padded ops read it.
+    description : str
+        One line for :func:`report`.
+    """
+
+    family: Family
+    name: str
+    impls: dict[str, Callable[..., Any]]
+    is_supported: Predicate = _always_supported
+    can_implement: Predicate = _always_implements
+    needs_m_multiple: int = 1
+    description: str = ""
+
+    def check(self, problem: Problem) -> tuple[bool, str]:
+        ok, why = _supported_cached(self, problem.device)
+        if not ok:
+            return False, why
+        return self.can_implement(problem)
+
+
+_REGISTRY: dict[Family, dict[str, Backend]] = {f: {} for f in Family}
+
+# Measured-fastest-first priority lists.  Keys: "cpu", "sm80", "sm89", "sm90",
+# "sm100", "sm120", or "cuda" as the fallback for any other GPU.  Names that are
+# not registered (an optional package missing) are skipped.
+_PRIORITY: dict[Family, dict[str, list[str]]] = {
+    Family.FP8_BLOCK: {
+        "cpu": ["reference"],
+        "sm90": ["cutlass", "cublas", "triton", "composite", "reference"],
+        "sm100": ["cublas", "triton", "composite", "reference"],
+        "cuda": ["cublas", "triton", "composite", "reference"],
+    },
+    Family.FP8: {
+        "cpu": ["reference"],
+        "cuda": ["cublas", "reference"],
+    },
+    Family.NVFP4: {
+        "cpu": ["reference"],
+        "sm100": ["flashinfer_cutedsl", "torch", "triton", "reference"],
+        "cuda": ["triton", "reference"],
+    },
+    Family.SKINNY: {
+        "cpu": ["reference"],
+        "cuda": ["fused_a", "reference"],
+    },
+}
+
+_OVERRIDE: contextvars.ContextVar[dict[Family, str]] = contextvars.ContextVar(
+    "scaledmm_backend_override", default={}
+)
+
+
+def register(backend: Backend) -> Backend:
+    """Add (or replace) a backend in the registry.
+
+    Examples
+    --------
+    >>> from scaledmm import backends
+    >>> b = backends.Backend(backends.Family.FP8, "mine", impls={})
+    >>> _ = backends.register(b); "mine" in backends.names("fp8")
+    True
+    >>> backends.unregister("fp8", "mine")
+    """
+    _REGISTRY[backend.family][backend.name] = backend
+    _supported_cached.cache_clear()
+    return backend
+
+
+def unregister(family: Family | str, name: str) -> None:
+    """Remove a backend (tests use this to plant a broken provider)."""
+    _REGISTRY[Family.parse(family)].pop(name, None)
+    _supported_cached.cache_clear()
+
+
+def names(family: Family | str) -> list[str]:
+    """Registered backend names of a family, in registration order.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> "reference" in scaledmm.backends.names("fp8_block")
+    True
+    """
+    return list(_REGISTRY[Family.parse(family)])
+
+
+def get(family: Family | str, name: str) -> Backend:
+    """The backend ``name`` of ``family``; raises listing the valid names.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> scaledmm.backends.get("fp8_block", "reference").name
+    'reference'
+    """
+    fam = Family.parse(family)
+    try:
+        return _REGISTRY[fam][name]
+    except KeyError:
+        valid = ", ".join(_REGISTRY[fam]) or "<none registered>"
+        raise ValueError(
+            f"backend: expected one of [{valid}] for family {fam.value!r}, got {name!r}"
+        ) from None
+
+
+@functools.lru_cache(maxsize=None)
+def _supported_cached(backend: Backend, device: torch.device) -> tuple[bool, str]:
+    try:
+        return backend.is_supported(device)
+    except Exception as e:  # a probe must never take the op down
+        return False, f"support probe failed: {type(e).__name__}: {e}"
+
+
+@functools.lru_cache(maxsize=None)
+def arch_key(device: torch.device) -> str:
+    """Priority-table key of a device: ``"cpu"``, ``"sm90"``, ``"sm100"``, ...
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> scaledmm.backends.arch_key(torch.device("cpu"))
+    'cpu'
+    """
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def _device_key(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def priority(family: Family | str, device: torch.device | str) -> list[str]:
+    """Backend names tried by automatic selection on ``device``, first first.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> scaledmm.backends.priority("nvfp4", "cpu")
+    ['reference']
+    """
+    fam = Family.parse(family)
+    dev = _device_key(torch.device(device))
+    table = _PRIORITY[fam]
+    key = arch_key(dev)
+    if key in table:
+        return list(table[key])
+    if dev.type == "cuda":
+        # sm100 family members (sm101, sm103, ...) share sm100's list.
+        family_key = key[:-1] + "0"
+        return list(table.get(family_key, table.get("cuda", ["reference"])))
+    return list(table.get("cpu", ["reference"]))
+
+
+def set_priority(family: Family | str, arch: str, order: list[str]) -> None:
+    """Replace the priority list of ``family`` for ``arch`` (e.g. ``"sm90"``).
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> old = scaledmm.backends.priority("fp8", "cpu")
+    >>> scaledmm.backends.set_priority("fp8", "cpu", ["reference"])
+    >>> scaledmm.backends.set_priority("fp8", "cpu", old)
+    """
+    _PRIORITY[Family.parse(family)][arch] = list(order)
+
+
+def requested(family: Family | str) -> str | None:
+    """The explicitly requested backend name (context manager, then env), if any."""
+    fam = Family.parse(family)
+    name = _OVERRIDE.get().get(fam)
+    if name is None:
+        name = os.environ.get(fam.env_var) or None
+    if name == "auto":
+        return None
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(family: Family | str, name: str) -> Iterator[Backend | None]:
+    """Force ``family`` to run on backend ``name`` inside the ``with`` block.
+
+    ``name="auto"`` restores automatic selection inside the block.  The choice
+    is read when an op runs (eagerly, or inside a compiled graph at run time).
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> with scaledmm.use_backend("fp8_block", "reference"):
+    ...     pass
+    """
+    fam = Family.parse(family)
+    backend = None if name == "auto" else get(fam, name)  # validates the name now
+    current = dict(_OVERRIDE.get())
+    if name == "auto":
+        current.pop(fam, None)
+        # "auto" inside the block also masks the environment variable.
+        current[fam] = "auto"
+    else:
+        current[fam] = name
+    token = _OVERRIDE.set(current)
+    try:
+        yield backend
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def select(problem: Problem, op: str) -> Backend:
+    """The backend that runs ``op`` for ``problem``.
+
+    An explicit request (see :func:`use_backend`) is honoured or raises
+    ``RuntimeError`` with the backend's reason; otherwise the first backend of
+    the device's priority list that supports the device, implements ``op`` and
+    can implement the problem.
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> from scaledmm.backends import Problem, Family, select
+    >>> p = Problem(Family.FP8_BLOCK, torch.device("cpu"), 3, 256, 256,
+    ...             torch.float8_e4m3fn, torch.bfloat16)
+    >>> select(p, "fp8_block_mm").name
+    'reference'
+    """
+    fam = problem.family
+    name = requested(fam)
+    if name is not None:
+        backend = get(fam, name)
+        if op not in backend.impls:
+            raise RuntimeError(
+                f"backend {fam.value}/{name} was requested but does not implement {op}"
+            )
+        ok, why = backend.check(problem)
+        if not ok:
+            raise RuntimeError(f"backend {fam.value}/{name} was requested but cannot run: {why}")
+        return backend
+    reasons = []
+    for cand in priority(fam, problem.device):
+        backend = _REGISTRY[fam].get(cand)
+        if backend is None or op not in backend.impls:
+            continue
+        ok, why = backend.check(problem)
+        if ok:
+            return backend
+        reasons.append(f"{cand}: {why}")
+    raise RuntimeError(
+        f"no {fam.value} backend can run {op} for {problem}: " + "; ".join(reasons)
+    )
+
+
+def report(file: Any = None) -> str:
+    """Print, for this machine, every backend and why it is or is not usable.
+
+    Returns the text as well.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> text = scaledmm.backends.report(file=None)  # doctest: +SKIP
+    """
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    out = io.StringIO()
+    for dev in devices:
+        label = str(dev)
+        if dev.type == "cuda":
+            label += f" ({torch.cuda.get_device_name(dev)}, {arch_key(dev)})"
+        out.write(f"== {label}\n")
+        for fam in Family:
+            order = priority(fam, dev)
+            req = requested(fam)
+            out.write(
+                f"  {fam.value}: auto order {order}"
+                + (f"; forced to {req!r} by {fam.env_var} / use_backend" if req else "")
+                + "\n"
+            )
+            for name, backend in _REGISTRY[fam].items():
+                ok, why = _supported_cached(backend, dev)
+                mark = "yes" if ok else "no "
+                ops = ",".join(sorted(backend.impls))
+                out.write(f"    [{mark}] {name:<20} {why}  (ops: {ops})\n")
+    text = out.getvalue()
+    print(text, end="", file=file)
+    return text

@@ -1,0 +1,58 @@
+"""Shared test helpers: opcheck over all default utils, poisoning, error norms."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+_BYTE_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2, getattr(torch, "float4_e2m1fn_x2", torch.float8_e4m3fn)}
+
+
+@contextlib.contextmanager
+def _fp8_compare_shim():
+    """torch's schema checker compares tensors with ``torch.allclose``, which
+    has no CPU kernel for float8 (torch 2.11-2.13).  Compare those bit for bit
+    instead (NaN patterns included): stricter than allclose, same intent."""
+    orig = torch.allclose
+
+    def allclose(a, b, *args, **kwargs):
+        if isinstance(a, torch.Tensor) and a.dtype in _BYTE_DTYPES:
+            return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return orig(a, b, *args, **kwargs)
+
+    torch.allclose = allclose
+    try:
+        yield
+    finally:
+        torch.allclose = orig
+
+
+def opcheck(op, args, kwargs=None):
+    """``torch.library.opcheck`` with all its default test utils."""
+    with _fp8_compare_shim():
+        torch.library.opcheck(op, args, kwargs)
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN (floating) or 0xFF bytes so unwritten elements show."""
+    if t.dtype.is_floating_point and t.dtype.itemsize >= 2:
+        return t.fill_(float("nan"))
+    return t.view(torch.uint8).fill_(0xFF) and t
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN if any NaN in out)."""
+    out = out.double()
+    ref = ref.double()
+    denom = ref.norm().item()
+    num = (out - ref).norm().item()
+    return num / denom if denom > 0 else num
+
+
+def devices():
+    devs = ["cpu"]
+    if torch.cuda.is_available():
+        devs.append("cuda")
+    return devs
