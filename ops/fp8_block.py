@@ -128,6 +128,31 @@ def reference_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1e-10,
     return q, s
 
 
+def quantize_weight(w: torch.Tensor, block_size=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a float ``[N, K]`` weight to e4m3 with one scale per
+    ``bn x bk`` block (DeepSeek-V3 ``weight_scale_inv`` convention: the scale
+    multiplies the codes).  Partial edge blocks are fine.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops.fp8_block import quantize_weight
+    >>> q, s = quantize_weight(torch.randn(300, 256))
+    >>> q.dtype, tuple(s.shape)
+    (torch.float8_e4m3fn, (3, 2))
+    """
+    bn, bk = block_size
+    n, k = w.shape
+    nb, kb = V.ceil_div(n, bn), V.ceil_div(k, bk)
+    wp = w.float().new_zeros((nb * bn, kb * bk))
+    wp[:n, :k] = w.float()
+    blocks = wp.reshape(nb, bn, kb, bk)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.clamp(amax, min=1e-12) / FP8_MAX
+    q = torch.clamp(blocks / scale[:, None, :, None], -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(nb * bn, kb * bk)[:n, :k].clone(), scale
+
+
 def _expand_block_scales(s: torch.Tensor, rows: int, cols: int, br: int, bc: int) -> torch.Tensor:
     """``s[i // br, j // bc]`` as a dense ``[rows, cols]`` float32 tensor."""
     return s.repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)[:, :cols]
@@ -197,11 +222,17 @@ def cublas_b_scales(b_scales: torch.Tensor) -> torch.Tensor:
     to 4, N/128]`` row-major, viewed transposed.  Layers prepare this once at
     load time (``Fp8BlockLinear.process_weights_after_loading``); calling the
     op with plain scales costs this small copy per call."""
-    nb, kb = b_scales.shape
-    kb4 = V.round_up(kb, 4)
-    if kb4 == kb:
+    if b_scales.stride(1) == 1 and b_scales.stride(0) % 4 == 0:
         return b_scales
-    padded = b_scales.new_zeros((nb, kb4))
+    return pad_scale_rows(b_scales, 4)
+
+
+def pad_scale_rows(b_scales: torch.Tensor, multiple: int = 4) -> torch.Tensor:
+    """``b_scales`` as a ``[nb, kb]`` view into a zero-padded ``[nb,
+    round_up(kb, multiple)]`` buffer (the row stride cuBLASLt wants).  Every
+    backend reads this layout; layers store weight scales this way once."""
+    nb, kb = b_scales.shape
+    padded = b_scales.new_zeros((nb, V.round_up(kb, multiple)))
     padded[:, :kb] = b_scales
     return padded[:, :kb]
 
@@ -242,7 +273,7 @@ def pad_rows(a: torch.Tensor, a_scales: torch.Tensor, multiple: int = ALIGN_M):
     mp = V.round_up(m, multiple)
     a_p = a.new_zeros((mp, a.shape[1]))
     a_p[:m] = a
-    if a_scales.stride(0) == 1 and m > 1:  # column-major stays column-major
+    if a_scales.stride(0) == 1 and a_scales.stride(1) != 1:  # column-major stays column-major
         s_p = a_scales.new_ones((a_scales.shape[1], mp)).t()
     else:
         s_p = a_scales.new_ones((mp, a_scales.shape[1]))

@@ -44,6 +44,7 @@ __all__ = [
     "set_priority",
     "arch_key",
     "report",
+    "record",
 ]
 
 
@@ -348,7 +349,40 @@ def use_backend(family: Family | str, name: str) -> Iterator[Backend | None]:
         _OVERRIDE.reset(token)
 
 
+_RECORDERS: list[list[tuple[str, str, Problem]]] = []
+
+
+@contextlib.contextmanager
+def record() -> Iterator[list[tuple[str, str, Problem]]]:
+    """Collect ``(op, backend name, problem)`` for every selection made inside
+    the block (eager calls and compiled graphs alike), for debugging and demos.
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> with scaledmm.backends.record() as calls:
+    ...     _ = torch.ops.scaledmm.per_token_group_quant_fp8(torch.randn(2, 128))
+    >>> calls[0][:2]
+    ('per_token_group_quant_fp8', 'reference')
+    """
+    log: list[tuple[str, str, Problem]] = []
+    _RECORDERS.append(log)
+    try:
+        yield log
+    finally:
+        _RECORDERS.remove(log)
+
+
 def select(problem: Problem, op: str) -> Backend:
+    """The backend that runs ``op`` for ``problem`` (see :func:`_select`)."""
+    backend = _select(problem, op)
+    if _RECORDERS:
+        for log in _RECORDERS:
+            log.append((op, backend.name, problem))
+    return backend
+
+
+def _select(problem: Problem, op: str) -> Backend:
     """The backend that runs ``op`` for ``problem``.
 
     An explicit request (see :func:`use_backend`) is honoured or raises

@@ -6,6 +6,11 @@ In eager mode they call the right op directly.  When traced with a dynamic M
 on the size predicate whose two branches are our custom ops, so the graph stays
 whole, the choice is visible in it and no recompile happens when M changes.
 With static sizes the trace holds the one branch that applies.
+
+Dynamo specializes sizes 0 and 1 even with ``dynamic=True``; to serve M = 1
+(decode) from the same graph as other M, set torch's
+``torch.fx.experimental._config.backed_size_oblivious = True`` (scaledmm
+never changes torch's configuration itself).
 ``scaledmm.compile.passes()`` can lower those conds to opaque ops so Inductor
 keeps CUDA graphs (SPEC.md, "Compile integration").
 """
@@ -59,7 +64,9 @@ def fp8_block_mm(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_sca
     m = a.shape[0]
     direct = torch.ops.scaledmm.fp8_block_mm
     padded = torch.ops.scaledmm.padded_fp8_block_mm
-    if isinstance(m, torch.SymInt):
+    if torch.compiler.is_compiling():
+        # A dynamic M gives a SymBool predicate and a real cond; a static M a
+        # constant one, which Dynamo folds to the single branch that applies.
 
         def padded_branch(a, b, a_scales, b_scales):
             return padded(a, b, a_scales, b_scales, bs, out_dtype)
@@ -93,7 +100,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     m = x.shape[0]
     fused = torch.ops.scaledmm.dsv3_fused_a_gemm
-    if isinstance(m, torch.SymInt):
+    if torch.compiler.is_compiling():
 
         def skinny_branch(x, weight):
             return fused(x, weight)

@@ -94,9 +94,11 @@ def check_divisible(op: str, arg: str, value, divisor: int, what: str) -> None:
 
 def check_inner_stride(op: str, arg: str, t: torch.Tensor) -> None:
     """Unit stride along the last dim (rows may be strided views)."""
-    if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+    # Conditions on the (static) inner sizes and strides come first so that a
+    # dynamic M is only guarded on when the layout is already suspicious.
+    if t.dim() >= 1 and t.stride(-1) != 1 and t.shape[-1] > 1:
         fail(op, arg, "unit stride along the last dim", f"strides {tuple(t.stride())}")
-    if t.dim() == 2 and t.shape[0] > 1 and t.stride(0) < t.shape[1]:
+    if t.dim() == 2 and t.stride(0) < t.shape[1] and t.shape[0] > 1:
         fail(op, arg, f"row stride >= {t.shape[1]} (non-overlapping rows)", f"strides {tuple(t.stride())}")
 
 
@@ -121,15 +123,18 @@ def check_out_dtype(op: str, out_dtype: torch.dtype, allowed: Sequence[torch.dty
 
 
 def check_scale_matrix(op: str, arg: str, s: torch.Tensor, rows, cols, allow_col_major: bool) -> bool:
-    """A float32 ``[rows, cols]`` scale tensor, row-major or (optionally)
-    column-major (strides ``(1, rows)``).  Returns True when column-major."""
+    """A float32 ``[rows, cols]`` scale tensor, row-major (rows may be padded:
+    ``stride(0) >= cols``) or, optionally, column-major (``stride(0) == 1``,
+    ``stride(1) >= rows``, e.g. TMA-aligned).  Returns True when column-major."""
     check_dtype(op, arg, s, torch.float32)
     check_shape(op, arg, s, (rows, cols))
-    if s.is_contiguous():
+    # Static facts (cols, strides) are tested before anything that guards on rows.
+    if (s.stride(1) == 1 or cols <= 1) and (s.stride(0) >= cols or rows <= 1):
         return False
     if allow_col_major and s.stride(0) == 1 and (cols <= 1 or s.stride(1) >= rows):
         return True
-    layouts = "row-major (contiguous) or column-major (strides (1, rows))" if allow_col_major else "a contiguous tensor"
+    layouts = ("row-major (stride(1) == 1, stride(0) >= cols) or column-major (stride(0) == 1, stride(1) >= rows)"
+               if allow_col_major else "row-major (stride(1) == 1, stride(0) >= cols)")
     fail(op, arg, layouts, f"strides {tuple(s.stride())} for shape {tuple(s.shape)}")
     return False  # unreachable
 

@@ -1,0 +1,97 @@
+"""``fp8_block_mm``: FP8 GEMM with 1x128 activation and 128x128 weight scales.
+
+Providers: ``auto`` and every backend of the ``fp8_block`` registry family
+that implements ``fp8_block_mm``; baselines ``pad4`` (``padded_fp8_block_mm``:
+always pad M to a multiple of 4, then the aligned auto choice),
+``scaled_mm_blockwise`` (``torch._scaled_mm`` with blockwise scales, called
+directly), and the common GEMM baselines.  Activation scales are passed
+column-major (strides ``(1, M)``), as ``per_token_group_quant_fp8(...,
+column_major_scales=True)`` produces them for the GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .baselines import FP8, FP8_MAX, gemm_baselines, gemm_flops, gemm_inputs, to_f64
+from .harness import BASELINE, OpBench, Provider, forced
+
+__all__ = ["benches", "prepare", "reference", "quant_groups", "quant_blocks"]
+
+BLOCK = (128, 128)  # [bn, bk]
+
+
+def quant_groups(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [M, K]`` per 1 x bk group (K % bk == 0): (e4m3 q, float32 s [M, K/bk])."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // bk, bk)
+    s = xg.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+    q = (xg / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, k)
+    return q, s
+
+
+def quant_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``w [N, K]`` per bn x bk block (N padded with zeros to whole
+    blocks): (e4m3 q [N, K], float32 s [ceil(N/bn), K/bk])."""
+    n, k = w.shape
+    nb = -(-n // bn)
+    wp = w.new_zeros((nb * bn, k))
+    wp[:n] = w
+    blocks = wp.float().reshape(nb, bn, k // bk, bk)
+    s = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10) / FP8_MAX
+    q = (blocks / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(nb * bn, k)[:n]
+    return q.contiguous(), s
+
+
+def prepare(logical):
+    """Logical bf16 (x, w) -> the op's arguments, activation scales column-major."""
+    x, w = logical
+    bn, bk = BLOCK
+    a, a_s = quant_groups(x, bk)
+    b, b_s = quant_blocks(w, bn, bk)
+    a_s = a_s.t().contiguous().t()
+    return a, b, a_s, b_s, list(BLOCK), torch.bfloat16
+
+
+def reference(args) -> torch.Tensor:
+    """float64: sum over k-blocks of a_scales * b_scales * (a . b) (SPEC.md)."""
+    a, b, a_s, b_s, (bn, bk), _ = args
+    m, k = a.shape
+    n = b.shape[0]
+    sa = a_s.double().repeat_interleave(bk, dim=1)[:, :k]
+    sb = b_s.double().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return (a.double() * sa) @ (b.double() * sb).t()
+
+
+def _problem(args):
+    from scaledmm.ops import fp8_block as ops
+
+    a, b, a_s, b_s, block, out_dtype = args
+    col = ops.check_mm_args("fp8_block_mm", a, b, a_s, b_s, block, out_dtype)
+    return ops.problem(a, b, block, out_dtype, col)
+
+
+def _scaled_mm_blockwise(a, b, a_s, b_s, block, out_dtype):
+    from scaledmm.ops.fp8_block import cublas_a_scales, cublas_b_scales
+
+    # No-ops for the column-major activation scales and K/128 % 4 == 0 given here.
+    return torch._scaled_mm(a, b.t(), scale_a=cublas_a_scales(a_s), scale_b=cublas_b_scales(b_s).t(),
+                            out_dtype=out_dtype)
+
+
+def _baselines(device: torch.device) -> list[Provider]:
+    pad4 = Provider("pad4", BASELINE, prepare,
+                    forced(torch.ops.scaledmm.padded_fp8_block_mm, "fp8_block", "auto"),
+                    reference, to_f64, "fp8")
+    blockwise = Provider("scaled_mm_blockwise", BASELINE, prepare, _scaled_mm_blockwise, reference,
+                         to_f64, "fp8")
+    return [pad4, blockwise] + gemm_baselines(device)
+
+
+def benches() -> list[OpBench]:
+    return [OpBench(
+        family="fp8_block", op="fp8_block_mm", registry="fp8_block",
+        make_inputs=gemm_inputs, prepare=prepare, reference=reference, to_f64=to_f64,
+        problem=_problem, flops=gemm_flops, baselines=_baselines, default_shapes="dsv3",
+        unit="fp8", requires=("padded_fp8_block_mm",),
+    )]

@@ -1,0 +1,119 @@
+"""The backend registry: selection, overrides, errors, report()."""
+
+import pytest
+import torch
+
+import scaledmm
+from scaledmm import backends
+from scaledmm.backends import Backend, Family, Problem
+from scaledmm.ops import fp8_block as ops
+
+CPU = torch.device("cpu")
+
+
+def _problem(m=4, n=32, k=128):
+    return Problem(Family.FP8_BLOCK, CPU, m, n, k, torch.float8_e4m3fn, torch.bfloat16, k,
+                   (("block_size", (128, 128)),))
+
+
+@pytest.fixture
+def fake_backends():
+    calls = []
+
+    def impl(name):
+        def f(a, b, sa, sb, bs, od):
+            calls.append(name)
+            return ops.reference_mm(a, b, sa, sb, bs, od)
+        return f
+
+    backends.register(Backend(Family.FP8_BLOCK, "t_aligned", {"fp8_block_mm": impl("t_aligned")},
+                              can_implement=lambda p: (p.m % 4 == 0, f"needs M % 4 == 0, got M={p.m}"),
+                              needs_m_multiple=4))
+    backends.register(Backend(Family.FP8_BLOCK, "t_broken", {"fp8_block_mm": impl("t_broken")},
+                              is_supported=lambda d: (False, "this machine lacks the t_broken chip")))
+    backends.register(Backend(Family.FP8_BLOCK, "t_raises", {"fp8_block_mm": impl("t_raises")},
+                              is_supported=lambda d: 1 / 0))
+    old = backends.priority("fp8_block", "cpu")
+    backends.set_priority("fp8_block", "cpu", ["t_broken", "t_raises", "t_aligned", "reference"])
+    yield calls
+    backends.set_priority("fp8_block", "cpu", old)
+    for n in ("t_aligned", "t_broken", "t_raises"):
+        backends.unregister("fp8_block", n)
+
+
+def test_auto_walks_priority(fake_backends):
+    assert backends.select(_problem(m=4), "fp8_block_mm").name == "t_aligned"
+    assert backends.select(_problem(m=3), "fp8_block_mm").name == "reference"
+    assert backends.select(_problem(m=3), "per_token_group_quant_fp8").name == "reference"
+
+
+def test_ops_use_selected_backend(fake_backends):
+    a = torch.randn(4, 128).to(torch.float8_e4m3fn)
+    b = torch.randn(32, 128).to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(4, 1), torch.ones(1, 1)
+    torch.ops.scaledmm.fp8_block_mm(a, b, sa, sb)
+    assert fake_backends == ["t_aligned"]
+    # the padded op pads M = 3 to 4 and so reaches the aligned backend
+    torch.ops.scaledmm.padded_fp8_block_mm(a[:3], b, sa[:3], sb)
+    assert fake_backends == ["t_aligned", "t_aligned"]
+
+
+def test_context_manager_and_env(fake_backends, monkeypatch):
+    with scaledmm.use_backend("fp8_block", "reference"):
+        assert backends.select(_problem(), "fp8_block_mm").name == "reference"
+        with scaledmm.use_backend("fp8_block", "auto"):
+            assert backends.select(_problem(), "fp8_block_mm").name == "t_aligned"
+    monkeypatch.setenv("SCALEDMM_FP8_BLOCK_BACKEND", "reference")
+    assert backends.select(_problem(), "fp8_block_mm").name == "reference"
+    with scaledmm.use_backend("fp8_block", "t_aligned"):  # context beats env
+        assert backends.select(_problem(), "fp8_block_mm").name == "t_aligned"
+
+
+def test_unknown_name_lists_valid_ones(monkeypatch):
+    with pytest.raises(ValueError, match=r"expected one of \[.*reference.*\].*'nope'"):
+        with scaledmm.use_backend("fp8_block", "nope"):
+            pass
+    monkeypatch.setenv("SCALEDMM_NVFP4_BACKEND", "nope")
+    with pytest.raises(ValueError, match="reference"):
+        backends.select(Problem(Family.NVFP4, CPU, 1, 16, 64, torch.uint8, torch.bfloat16), "nvfp4_mm")
+    with pytest.raises(ValueError, match="family"):
+        backends.names("fp9")
+
+
+def test_explicit_backend_that_cannot_run_raises_with_reason(fake_backends):
+    with scaledmm.use_backend("fp8_block", "t_broken"):
+        with pytest.raises(RuntimeError, match="lacks the t_broken chip"):
+            backends.select(_problem(), "fp8_block_mm")
+    with scaledmm.use_backend("fp8_block", "t_aligned"):
+        with pytest.raises(RuntimeError, match="needs M % 4 == 0, got M=3"):
+            backends.select(_problem(m=3), "fp8_block_mm")
+    with scaledmm.use_backend("fp8_block", "t_raises"):
+        with pytest.raises(RuntimeError, match="support probe failed: ZeroDivisionError"):
+            backends.select(_problem(), "fp8_block_mm")
+    with scaledmm.use_backend("fp8_block", "t_aligned"):  # does not implement the quant op
+        with pytest.raises(RuntimeError, match="does not implement per_token_group_quant_fp8"):
+            backends.select(_problem(), "per_token_group_quant_fp8")
+
+
+def test_report_lists_every_backend_and_reason(fake_backends, capsys):
+    text = backends.report()
+    assert capsys.readouterr().out == text
+    for fam in Family:
+        assert f"{fam.value}: auto order" in text
+    assert "t_broken" in text and "lacks the t_broken chip" in text
+    assert "[yes] reference" in text
+    assert "support probe failed" in text
+
+
+def test_every_family_has_reference_on_cpu():
+    for fam in Family:
+        assert "reference" in backends.names(fam)
+        assert backends.priority(fam, "cpu")[-1] == "reference"
+
+
+def test_cublas_gate_reasons_without_gpu():
+    b = backends.get("fp8_block", "cublas")
+    ok, why = b.is_supported(CPU)
+    assert not ok and "CUDA" in why
+    ok, why = b.can_implement(_problem(m=3))
+    assert not ok and "M % 4" in why

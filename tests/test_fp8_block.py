@@ -1,0 +1,347 @@
+"""fp8_block ops: per_token_group_quant_fp8, fp8_block_mm and its padded
+variants, fp8_block_linear, the scaledmm.fp8_block_mm entry.  Reference math is
+float64 (GEMM) or an exact e4m3 encoder written here from the format (quant)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import scaledmm
+from helpers import FP8, opcheck, poison_, rel_err
+from scaledmm.ops import fp8_block as ops
+
+DEV = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+# --------------------------------------------------------------------------
+# independent references
+# --------------------------------------------------------------------------
+
+
+def e4m3_encode_f64(v: np.ndarray) -> np.ndarray:
+    """Round float64 values to the nearest e4m3fn value (ties to even), NaN kept.
+    Values are already clamped to [-448, 448] by the op's rule."""
+    out = np.empty_like(v)
+    nan = np.isnan(v)
+    a = np.abs(np.where(nan, 0.0, v))
+    # exponent of the binade (normal range 2^-6 .. 2^8); subnormal step 2^-9
+    e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    e = np.clip(e, -6, 8)
+    step = np.exp2(e - 3)
+    q = np.round(a / step) * step  # numpy rounds half to even
+    out = np.sign(v) * q
+    out[nan] = np.nan
+    return out
+
+
+def quant_ref(x: torch.Tensor, g: int, eps: float, ue8m0: bool):
+    xf = x.float().numpy().astype(np.float32)
+    m, k = xf.shape
+    xg = xf.reshape(m, k // g, g)
+    amax = np.abs(xg).max(axis=-1) if k else np.zeros((m, 0), np.float32)
+    s = (np.maximum(amax, np.float32(eps)) / np.float32(448.0)).astype(np.float32)
+    if ue8m0:
+        s = np.exp2(np.ceil(np.log2(s.astype(np.float64)))).astype(np.float32)
+    quot = (xg / s[..., None]).astype(np.float32)
+    quot = np.clip(quot, -448, 448)
+    q = e4m3_encode_f64(quot.astype(np.float64)).reshape(m, k)
+    return q, s
+
+
+def mm_ref64(a, b, sa, sb, block_size):
+    """SPEC formula in float64: sum_j sa[m,j] sb[n//bn,j] sum_{k in j} a b."""
+    bn, bk = block_size
+    m, k = a.shape
+    n = b.shape[0]
+    kb = math.ceil(k / bk)
+    A = torch.zeros(m, kb * bk, dtype=torch.float64)
+    B = torch.zeros(n, kb * bk, dtype=torch.float64)
+    A[:, :k] = a.double().cpu()
+    B[:, :k] = b.double().cpu()
+    part = torch.einsum("mjk,njk->mnj", A.view(m, kb, bk), B.view(n, kb, bk))
+    sbx = sb.double().cpu().repeat_interleave(bn, 0)[:n]
+    return torch.einsum("mnj,mj,nj->mn", part, sa.double().cpu(), sbx)
+
+
+def rand_fp8(shape, device="cpu", scale=1.0):
+    return (torch.randn(shape, device=device) * scale).clamp(-448, 448).to(FP8)
+
+
+def make_mm_inputs(m, n, k, device="cpu", col_major=False, block=(128, 128), row_pad=0):
+    bn, bk = block
+    a_full = rand_fp8((m, k + row_pad), device)
+    a = a_full[:, :k]
+    b = rand_fp8((n, k), device)
+    kb = math.ceil(k / bk)
+    sa = torch.rand(m, kb, device=device) + 0.05
+    if col_major:
+        sa = sa.t().contiguous().t()
+    sb = torch.rand(math.ceil(n / bn), kb, device=device) + 0.05
+    return a, b, sa, sb
+
+
+# --------------------------------------------------------------------------
+# per_token_group_quant_fp8
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEV)
+@given(m=st.sampled_from([0, 1, 3, 4, 17, 130]), groups=st.integers(1, 3), g=st.sampled_from([64, 128]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       col=st.booleans(), ue8m0=st.booleans(), row_pad=st.sampled_from([0, 64]),
+       mag=st.sampled_from([1e-6, 1.0, 1e3]))
+def test_quant_exact(device, m, groups, g, dtype, col, ue8m0, row_pad, mag):
+    k = groups * g
+    x = (torch.randn(m, k + row_pad) * mag).to(dtype)[:, :k].to(device)
+    if m > 2:
+        x[1, :g] = 0  # an all-zero group: scale = eps / 448
+    q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, g, 1e-10, col, ue8m0)
+    q_ref, s_ref = quant_ref(x.cpu(), g, 1e-10, ue8m0)
+    assert q.shape == (m, k) and q.dtype == FP8
+    assert s.shape == (m, k // g) and s.dtype == torch.float32
+    if col and m > 1:
+        assert s.stride() == (1, m)
+    else:
+        assert s.is_contiguous()
+    np.testing.assert_array_equal(s.cpu().numpy(), s_ref)
+    np.testing.assert_array_equal(q.cpu().double().numpy(), q_ref)
+
+
+def test_quant_nan_inf_stay_in_their_group():
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    x[1, 5] = float("nan")
+    x[2, 200] = float("inf")
+    q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x)
+    assert torch.isnan(s[1, 0]) and torch.isnan(q[1, :128].float()).all()
+    assert not torch.isnan(q[1, 128:].float()).any() and not torch.isnan(s[0]).any()
+    assert torch.isinf(s[2, 1]) and not torch.isnan(q[2, :128].float()).any()
+    assert not torch.isnan(q[0].float()).any()
+
+
+def test_quant_saturates_and_rounds_to_even():
+    # a group whose amax is 448 * s: values map to codes exactly; check ties
+    x = torch.zeros(1, 128)
+    x[0, 0] = 448.0  # s = 1.0
+    x[0, 1] = 17.0   # between 16 and 18 (step 2): tie -> 16 (even mantissa)
+    x[0, 2] = 19.0   # tie between 18 and 20 -> 20
+    x[0, 3] = -0.0009765625  # 2^-10: half the smallest subnormal (2^-9) -> tie to 0
+    q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x)
+    assert s.item() == 1.0
+    assert q[0, :4].float().tolist() == [448.0, 16.0, 20.0, -0.0]
+
+
+@pytest.mark.parametrize(
+    "args, arg",
+    [
+        ((torch.randn(2, 100), 128), "x"),                       # K % group
+        ((torch.randn(2, 128).to(FP8), 128), "x"),               # dtype
+        ((torch.randn(2, 2, 128), 128), "x"),                    # rank
+        ((torch.randn(128, 4).t(), 128), "x"),                   # inner stride
+        ((torch.randn(2, 128), 0), "group_size"),
+        ((torch.randn(2, 128), 128, -1.0), "eps"),
+    ],
+)
+def test_quant_bad_inputs(args, arg):
+    with pytest.raises(ValueError, match=f"per_token_group_quant_fp8: {arg}:"):
+        torch.ops.scaledmm.per_token_group_quant_fp8(*args)
+
+
+def test_quant_opcheck():
+    for m, col, ue in [(0, False, False), (1, True, False), (5, True, True), (33, False, True)]:
+        x = torch.randn(m, 256, dtype=torch.bfloat16)
+        opcheck(torch.ops.scaledmm.per_token_group_quant_fp8.default, (x, 128, 1e-10, col, ue))
+    x = torch.randn(4, 384)[:, :256]
+    opcheck(torch.ops.scaledmm.per_token_group_quant_fp8.default, (x, 64))
+
+
+# --------------------------------------------------------------------------
+# fp8_block_mm and friends
+# --------------------------------------------------------------------------
+
+MM_OPS = ["fp8_block_mm", "padded_fp8_block_mm", "dynamic_padded_fp8_block_mm"]
+
+
+@pytest.mark.parametrize("device", DEV)
+@pytest.mark.parametrize("op", MM_OPS)
+@given(m=st.sampled_from([0, 1, 3, 4, 5, 17, 64, 129]), n=st.sampled_from([16, 100, 200, 384]),
+       k=st.sampled_from([128, 256, 320, 384]), col=st.booleans(), row_pad=st.sampled_from([0, 16]),
+       out_dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       block=st.sampled_from([(128, 128), (64, 128), (128, 64)]))
+def test_mm_matches_float64(device, op, m, n, k, col, row_pad, out_dtype, block):
+    a, b, sa, sb = make_mm_inputs(m, n, k, device, col, block, row_pad)
+    out = getattr(torch.ops.scaledmm, op)(a, b, sa, sb, list(block), out_dtype)
+    ref = mm_ref64(a, b, sa, sb, block)
+    assert out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
+    assert not torch.isnan(out).any()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[out_dtype]
+    if m:
+        assert rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize("device", DEV)
+def test_mm_nan_inf_stay_in_row_and_column(device):
+    a, b, sa, sb = make_mm_inputs(6, 48, 256, device)
+    a = a.clone()
+    b = b.clone()
+    a[2, 7] = float("nan")
+    b[5, 3] = float("nan")
+    out = scaledmm.fp8_block_mm(a, b, sa, sb)
+    nan = torch.isnan(out)
+    assert nan[2].all() and nan[:, 5].all()
+    nan[2] = False
+    nan[:, 5] = False
+    assert not nan.any()
+
+
+def test_padded_ops_pad_with_unit_scale_rows():
+    a, b, sa, sb = make_mm_inputs(3, 32, 128, col_major=True)
+    a_p, s_p = ops.pad_rows(a, sa)
+    assert a_p.shape == (4, 128) and s_p.shape == (4, 1)
+    assert (a_p[3].float() == 0).all() and s_p[3].item() == 1.0
+    a, b, sa, sb = make_mm_inputs(5, 32, 256, col_major=True)
+    a_p, s_p = ops.pad_rows(a, sa)
+    assert s_p.stride() == (1, 8) and (s_p[5:] == 1).all()
+    torch.testing.assert_close(s_p[:5], sa, rtol=0, atol=0)
+
+
+def test_mm_bad_inputs():
+    a, b, sa, sb = make_mm_inputs(4, 32, 256)
+    f = torch.ops.scaledmm.fp8_block_mm
+    cases = [
+        ((a.float(), b, sa, sb), "a"),
+        ((a, b.float(), sa, sb), "b"),
+        ((a, b[:, :128], sa, sb), "b"),
+        ((a, b, sa[:, :1], sb), "a_scales"),
+        ((a, b, sa.double(), sb), "a_scales"),
+        ((a, b, sa, sb[:, :1]), "b_scales"),
+        ((a, b, sa, sb.t().contiguous().t() if sb.shape[0] > 1 else sb.expand(1, 2)[:, :2].t()), "b_scales"),
+        ((a[None], b, sa, sb), "a"),
+        ((a.t(), b, sa, sb), "a"),
+        ((a, b, sa, sb, [128]), "block_size"),
+        ((a, b, sa, sb, [128, 128], torch.int32), "out_dtype"),
+        ((a, b, sa, sb[::2] if sb.shape[0] > 1 else sb.t()), "b_scales"),
+    ]
+    for args, arg in cases:
+        with pytest.raises(ValueError, match=f"fp8_block_mm: {arg}:"):
+            f(*args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mm_device_mix():
+    a, b, sa, sb = make_mm_inputs(4, 32, 256)
+    with pytest.raises(ValueError, match="fp8_block_mm: b:.*device"):
+        torch.ops.scaledmm.fp8_block_mm(a, b.cuda(), sa, sb)
+
+
+@pytest.mark.parametrize("op", MM_OPS)
+def test_mm_opcheck(op):
+    for m, n, k, col, pad in [(0, 32, 128, False, 0), (1, 48, 256, True, 0), (3, 200, 384, True, 16),
+                              (8, 64, 320, False, 0)]:
+        a, b, sa, sb = make_mm_inputs(m, n, k, col_major=col, row_pad=pad)
+        opcheck(getattr(torch.ops.scaledmm, op).default, (a, b, sa, sb, [128, 128], torch.float16))
+
+
+# --------------------------------------------------------------------------
+# fp8_block_linear
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEV)
+@given(m=st.sampled_from([0, 1, 3, 17]), n=st.sampled_from([64, 200]), k=st.sampled_from([128, 384]),
+       bias=st.booleans(), out_dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_linear_equals_quant_then_mm(device, m, n, k, bias, out_dtype):
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+    w, ws = ops.quantize_weight(torch.randn(n, k, device=device))
+    bvec = torch.randn(n, device=device, dtype=out_dtype) if bias else None
+    out = torch.ops.scaledmm.fp8_block_linear(x, w, ws, [128, 128], out_dtype, bvec)
+    q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, 128)
+    ref = mm_ref64(q, w, s, ws, (128, 128))
+    if bias:
+        ref = ref + bvec.double().cpu()
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    # bias added in fp32 before the one rounding: bit-equal to the fp32 path
+    exact = torch.ops.scaledmm.fp8_block_mm(q, w, s, ws, [128, 128], torch.float32)
+    if bias:
+        exact = exact + bvec.float()
+    torch.testing.assert_close(out, exact.to(out_dtype), rtol=0, atol=0)
+    if m:
+        assert rel_err(out, ref) < 8e-3
+
+
+def test_linear_bad_inputs_and_opcheck():
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    w, ws = ops.quantize_weight(torch.randn(64, 256))
+    f = torch.ops.scaledmm.fp8_block_linear
+    for args, arg in [((x.float(), w, ws), "x"), ((x[:, :200], w, ws), "b"),
+                      ((x, w, ws, [128, 128], torch.bfloat16, torch.randn(63)), "bias")]:
+        with pytest.raises(ValueError, match=f"fp8_block_linear: {arg}:"):
+            f(*args)
+    for m, bias in [(0, None), (3, torch.randn(64, dtype=torch.bfloat16)), (9, None)]:
+        xx = torch.randn(m, 256, dtype=torch.bfloat16)
+        opcheck(f.default, (xx, w, ws, [128, 128], torch.bfloat16, bias))
+
+
+# --------------------------------------------------------------------------
+# the Python entry
+# --------------------------------------------------------------------------
+
+
+def test_entry_eager_picks_padded_op_for_unaligned_m():
+    calls = []
+    a, b, sa, sb = make_mm_inputs(3, 32, 128)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        scaledmm.fp8_block_mm(a, b, sa, sb)
+    assert any("padded_fp8_block_mm" in c for c in calls)
+    calls.clear()
+    a, b, sa, sb = make_mm_inputs(4, 32, 128)
+    with Log():
+        scaledmm.fp8_block_mm(a, b, sa, sb)
+    assert any(c.startswith("scaledmm.fp8_block_mm") for c in calls)
+    assert not any("padded" in c for c in calls)
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = torch.empty(7, 384, dtype=FP8)
+        b = torch.empty(200, 384, dtype=FP8)
+        sa = torch.empty(3, 7).t()
+        sb = torch.empty(2, 3)
+        for op in MM_OPS:
+            out = getattr(torch.ops.scaledmm, op)(a, b, sa, sb, [128, 128], torch.float16)
+            assert out.shape == (7, 200) and out.dtype == torch.float16
+        q, s = torch.ops.scaledmm.per_token_group_quant_fp8(torch.empty(7, 384), 128, 1e-10, True)
+        assert q.shape == (7, 384) and s.shape == (7, 3) and s.stride() == (1, 7)
+        with pytest.raises(ValueError, match="b_scales"):
+            torch.ops.scaledmm.fp8_block_mm(a, b, sa, torch.empty(1, 3))
+
+
+def test_compile_dynamic_one_compile():
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    cnt = CompileCounter()
+    w, ws = ops.quantize_weight(torch.randn(200, 256))  # no size 1 anywhere: no duck sizing with M
+
+    def f(x):
+        q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, 128)
+        return scaledmm.fp8_block_mm(q, w, s, ws)
+
+    cf = torch.compile(f, backend=cnt, fullgraph=True, dynamic=True)
+    # without this torch knob, Dynamo specializes M = 0 and M = 1
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        for m in (1, 3, 4, 17, 64, 0):
+            x = torch.randn(m, 256, dtype=torch.bfloat16)
+            torch.testing.assert_close(cf(x), f(x), rtol=0, atol=0)
+    assert cnt.frame_count == 1
