@@ -6,9 +6,10 @@ problem (a bf16 activation ``x [M, K]`` and weight ``w [N, K]``):
 * ``scaled_mm_rowwise``: ``torch._scaled_mm`` FP8 with per-row (token) and
   per-column (channel) scales.
 
-Each builds its own operands from the logical inputs (untimed) and carries a
-float64 reference of what it computes from them.  A baseline that does not run
-on the device (or at this M) is reported as n/a.
+Each builds its own operands from the logical inputs (untimed; FP8 operands
+through ``scaledmm.ops.fp8.reference_quant``) and carries a float64 reference
+of what it computes from them.  A baseline that does not run on the device
+(or at this M) is reported as n/a.
 """
 
 from __future__ import annotations
@@ -19,11 +20,8 @@ import torch.nn.functional as F
 from .harness import BASELINE, Provider
 from .shapes import Shape
 
-__all__ = ["FP8", "FP8_MAX", "gemm_inputs", "gemm_flops", "bf16_linear", "scaled_mm_tensor", "scaled_mm_rowwise", "gemm_baselines",
-           "to_f64"]
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
+__all__ = ["gemm_inputs", "gemm_flops", "bf16_linear", "scaled_mm_tensor", "scaled_mm_rowwise",
+           "gemm_baselines", "to_f64"]
 
 
 def gemm_inputs(m: int, shape: Shape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,15 +37,6 @@ def gemm_flops(m: int, shape: Shape) -> float:
 
 def to_f64(out: torch.Tensor) -> torch.Tensor:
     return out.double()
-
-
-def quant_fp8(t: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale ``t`` to the e4m3 range per tensor (``dim=None``) or per slice
-    along ``dim`` (keepdim).  Returns (q, float32 scale) with t ~ q * scale."""
-    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
-    scale = (amax.float().clamp(min=1e-10) / FP8_MAX)
-    q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
 
 
 # -- bf16 F.linear -----------------------------------------------------------
@@ -70,9 +59,11 @@ bf16_linear = Provider("bf16_linear", BASELINE, _bf16_prepare, F.linear, _bf16_r
 
 
 def _tensor_prepare(logical):
+    from scaledmm.ops.fp8 import reference_quant
+
     x, w = logical[:2]
-    qa, sa = quant_fp8(x, None)
-    qb, sb = quant_fp8(w, None)
+    qa, sa = reference_quant(x)
+    qb, sb = reference_quant(w)
     return qa, qb, sa.reshape(()), sb.reshape(())
 
 
@@ -94,9 +85,11 @@ scaled_mm_tensor = Provider("scaled_mm_tensor", BASELINE, _tensor_prepare, _scal
 
 
 def _rowwise_prepare(logical):
+    from scaledmm.ops.fp8 import reference_quant
+
     x, w = logical[:2]
-    qa, sa = quant_fp8(x, 1)  # [M, 1]
-    qb, sb = quant_fp8(w, 1)  # [N, 1]
+    qa, sa = reference_quant(x, per_token=True)  # [M, 1]
+    qb, sb = reference_quant(w, per_token=True)  # [N, 1]
     return qa, qb, sa, sb.reshape(1, -1)
 
 

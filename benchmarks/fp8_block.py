@@ -13,43 +13,23 @@ from __future__ import annotations
 
 import torch
 
-from .baselines import FP8, FP8_MAX, gemm_baselines, gemm_flops, gemm_inputs, to_f64
+from .baselines import gemm_baselines, gemm_flops, gemm_inputs, to_f64
 from .harness import BASELINE, OpBench, Provider, forced
 
-__all__ = ["benches", "prepare", "reference", "quant_groups", "quant_blocks"]
+__all__ = ["benches", "prepare", "reference"]
 
 BLOCK = (128, 128)  # [bn, bk]
 
 
-def quant_groups(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x [M, K]`` per 1 x bk group (K % bk == 0): (e4m3 q, float32 s [M, K/bk])."""
-    m, k = x.shape
-    xg = x.float().reshape(m, k // bk, bk)
-    s = xg.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
-    q = (xg / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, k)
-    return q, s
-
-
-def quant_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``w [N, K]`` per bn x bk block (N padded with zeros to whole
-    blocks): (e4m3 q [N, K], float32 s [ceil(N/bn), K/bk])."""
-    n, k = w.shape
-    nb = -(-n // bn)
-    wp = w.new_zeros((nb * bn, k))
-    wp[:n] = w
-    blocks = wp.float().reshape(nb, bn, k // bk, bk)
-    s = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10) / FP8_MAX
-    q = (blocks / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(nb * bn, k)[:n]
-    return q.contiguous(), s
-
-
 def prepare(logical):
-    """Logical bf16 (x, w) -> the op's arguments, activation scales column-major."""
+    """Logical bf16 (x, w) -> the op's arguments: activation quantized per 1 x 128
+    group with column-major scales, weight per 128 x 128 block (the ops
+    module's reference quantizers; untimed)."""
+    from scaledmm.ops.fp8_block import quantize_weight, reference_quant
+
     x, w = logical
-    bn, bk = BLOCK
-    a, a_s = quant_groups(x, bk)
-    b, b_s = quant_blocks(w, bn, bk)
-    a_s = a_s.t().contiguous().t()
+    a, a_s = reference_quant(x, BLOCK[1], column_major_scales=True)
+    b, b_s = quantize_weight(w, BLOCK)
     return a, b, a_s, b_s, list(BLOCK), torch.bfloat16
 
 

@@ -68,8 +68,8 @@ class TimingConfig:
             return cls(budget_s=0.02 if quick else 0.05, warmup_s=0.0, min_reps=3, max_reps=20,
                        graph_below_us=0.0, rotate_bytes=0, max_copies=2)
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20) or (60 << 20)
-        return cls(budget_s=0.03 if quick else 0.1, warmup_s=0.01 if quick else 0.03,
-                   min_reps=5 if quick else 10, max_reps=100 if quick else 300,
+        return cls(budget_s=0.015 if quick else 0.1, warmup_s=0.0 if quick else 0.03,
+                   min_reps=5 if quick else 10, max_reps=50 if quick else 300,
                    graph_below_us=100.0, rotate_bytes=2 * l2, max_copies=128)
 
 
@@ -145,12 +145,14 @@ def measure(fns: Sequence[Callable[[], object]], device: torch.device, cfg: Timi
     """
     if device.type != "cuda":
         return _measure_wall(fns, cfg)
-    # Warm-up: one pass, then more passes for warmup_s.
+    # Warm-up: one pass, then more passes for warmup_s (synchronized, so the
+    # host cannot queue up far more device work than warmup_s).
     _one_pass(fns)
     torch.cuda.synchronize(device)
     t_end = time.perf_counter() + cfg.warmup_s
     while time.perf_counter() < t_end:
         _one_pass(fns)
+        torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     _one_pass(fns)
@@ -162,7 +164,8 @@ def measure(fns: Sequence[Callable[[], object]], device: torch.device, cfg: Timi
         try:
             return _measure_graph(fns, device, cfg, per_call_s)
         except Exception as e:  # not capturable: time it with events instead
-            note = f"graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); events"
+            why = (str(e).strip().splitlines() or [""])[0][:120]
+            note = f"graph capture failed ({type(e).__name__}: {why}); timed with events"
             try:
                 torch.cuda.synchronize(device)
             except Exception:

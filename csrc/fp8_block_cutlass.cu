@@ -3,7 +3,8 @@
 //   out[m, n] = sum_j a_scales[m, j] * b_scales[n / 128, j] * sum_{k in block j} a[m, k] * b[n, k]
 //
 // a: e4m3 [M, K] (row stride lda), b: e4m3 [N, K] contiguous, a_scales: fp32 [M, K/128]
-// (strides sam, sak), b_scales: fp32 [ceil(N/128), K/128] contiguous, out: [M, N] (row stride ldd).
+// (strides sam, sak), b_scales: fp32 [ceil(N/128), K/128] (row stride sbn, unit inner stride),
+// out: [M, N] (row stride ldd).
 //
 // One shared library = one kernel configuration.  The configuration is chosen at
 // compile time with -D defines (the Python side, ops/fp8_block_cutlass.py, owns
@@ -33,6 +34,7 @@
 // the workspace comes from the caller (torch's allocator) and the kernel is
 // launched on the caller's stream, so the call is CUDA-graph capturable.
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -85,13 +87,13 @@
 #define SMM_OUT 0
 #endif
 
-#define SMM_ABI_VERSION 1
+#define SMM_ABI_VERSION 2
 
 namespace smm {
 
 using namespace cute;
 
-constexpr int kBlock = 128;  // scale block along K (and along N for the weight)
+constexpr int kBlock = 128;  // scale block along K, and along N for the weight
 
 #if SMM_OUT == 0
 using ElementOut = cutlass::bfloat16_t;
@@ -203,9 +205,9 @@ struct smm_fp8_block_args {
   const void* a;            // e4m3 [M, K], row stride lda (elements)
   const void* b;            // e4m3 [N, K], contiguous
   const float* a_scales;    // fp32 [M, K/128], strides (sam, sak) (elements)
-  const float* b_scales;    // fp32 [ceil(N/128), K/128], contiguous
+  const float* b_scales;    // fp32 [ceil(N/128), K/128], strides (sbn, 1) (elements)
   void* out;                // [M, N], row stride ldd (elements)
-  int64_t lda, ldd, sam, sak;
+  int64_t lda, ldd, sam, sak, sbn;
   void* workspace;          // >= smm_workspace_size() bytes, or null when that is 0
   int64_t workspace_bytes;
   void* stream;             // cudaStream_t
@@ -216,6 +218,29 @@ struct smm_fp8_block_args {
 };
 
 int smm_abi_version() { return SMM_ABI_VERSION; }
+
+// sizeof(smm_fp8_block_args) then the offset of each field, in declaration
+// order (the Python mirror checks its ctypes layout against this).  Returns
+// how many values it wrote.
+int smm_args_layout(int64_t* out, int n) {
+  const int64_t v[] = {
+      sizeof(smm_fp8_block_args),
+      offsetof(smm_fp8_block_args, abi_version), offsetof(smm_fp8_block_args, device),
+      offsetof(smm_fp8_block_args, sm_count), offsetof(smm_fp8_block_args, m),
+      offsetof(smm_fp8_block_args, n), offsetof(smm_fp8_block_args, k),
+      offsetof(smm_fp8_block_args, a), offsetof(smm_fp8_block_args, b),
+      offsetof(smm_fp8_block_args, a_scales), offsetof(smm_fp8_block_args, b_scales),
+      offsetof(smm_fp8_block_args, out), offsetof(smm_fp8_block_args, lda),
+      offsetof(smm_fp8_block_args, ldd), offsetof(smm_fp8_block_args, sam),
+      offsetof(smm_fp8_block_args, sak), offsetof(smm_fp8_block_args, sbn),
+      offsetof(smm_fp8_block_args, workspace), offsetof(smm_fp8_block_args, workspace_bytes),
+      offsetof(smm_fp8_block_args, stream), offsetof(smm_fp8_block_args, swizzle),
+      offsetof(smm_fp8_block_args, raster), offsetof(smm_fp8_block_args, splits),
+      offsetof(smm_fp8_block_args, decomposition)};
+  const int count = static_cast<int>(sizeof(v) / sizeof(v[0]));
+  for (int i = 0; i < count && i < n; ++i) out[i] = v[i];
+  return count;
+}
 
 // "key=value ..." description of the compiled configuration.
 int smm_describe(char* buf, int len) {
@@ -246,19 +271,22 @@ static typename Gemm::Arguments make_arguments(smm_fp8_block_args const& p) {
   const int kb = (K + kBlock - 1) / kBlock;
   const int nb = (N + kBlock - 1) / kBlock;
 
-  // Weight scales [nb, kb] row-major (K-major): stride kb along the N blocks.
+  // Weight scales [nb, kb] row-major (K-major), row stride sbn >= kb.
   LayoutWeightScale layout_w = make_layout(
       make_shape(make_shape(Int<kBlock>{}, nb), make_shape(Int<kBlock>{}, kb), 1),
-      make_stride(make_stride(_0{}, kb), make_stride(_0{}, _1{}), nb * kb));
+      make_stride(make_stride(_0{}, static_cast<int32_t>(p.sbn)), make_stride(_0{}, _1{}),
+                  static_cast<int32_t>(p.sbn) * nb));
+  // Batch strides are never stepped (L = 1) but TMA wants a nonzero, aligned one.
+  const int32_t batch_x = static_cast<int32_t>(p.sam > p.sak ? p.sam * M : p.sak * kb);
 #if SMM_SFA_STRIDED
   LayoutActScale layout_x = make_layout(
       make_shape(make_shape(_1{}, M), make_shape(Int<kBlock>{}, kb), 1),
       make_stride(make_stride(_0{}, static_cast<int32_t>(p.sam)),
-                  make_stride(_0{}, static_cast<int32_t>(p.sak)), 0));
+                  make_stride(_0{}, static_cast<int32_t>(p.sak)), batch_x));
 #else
   LayoutActScale layout_x = make_layout(
       make_shape(make_shape(_1{}, M), make_shape(Int<kBlock>{}, kb), 1),
-      make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, static_cast<int32_t>(p.sak)), 0));
+      make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, static_cast<int32_t>(p.sak)), batch_x));
 #endif
 
   auto const* a = static_cast<ElementFp8 const*>(p.a);
@@ -328,6 +356,24 @@ int64_t smm_workspace_size(const smm_fp8_block_args* p, char* err, int len) {
   if (smm::check_args(p, err, len) != 0) return -1;
   auto args = smm::make_arguments(*p);
   return static_cast<int64_t>(smm::Gemm::get_workspace_size(args));
+}
+
+// Load the kernel on `device` and raise its shared-memory limit, so that the
+// first smm_run (possibly inside CUDA-graph capture) does no module loading.
+int smm_prepare(int device, char* err, int len) {
+  int cur = -1;
+  if (cudaGetDevice(&cur) != cudaSuccess || cur != device) {
+    cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess) return smm::fail(err, len, 5, "cudaSetDevice: %s", cudaGetErrorString(e));
+  }
+  auto kernel = cutlass::device_kernel<smm::GemmKernel>;
+  cudaFuncAttributes attr;
+  cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smm::GemmKernel::SharedStorageSize));
+  if (e != cudaSuccess) return smm::fail(err, len, 5, "loading the kernel: %s", cudaGetErrorString(e));
+  return 0;
 }
 
 // Launch the GEMM on p->stream.  Returns 0, or: 1 bad arguments, 2 CUTLASS

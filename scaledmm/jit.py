@@ -134,13 +134,13 @@ def _check_arch(arch: str) -> tuple[str, str]:
 
 
 def _package_csrc() -> Path:
-    """Folder of our own CUDA sources (``csrc/``, installed as ``scaledmm.csrc``)."""
-    try:
-        import scaledmm.csrc as _csrc  # a data package: importing it runs nothing
-
-        return Path(_csrc.__file__).resolve().parent
-    except Exception:  # pragma: no cover - only without the package installed
-        return Path(__file__).resolve().parent.parent / "csrc"
+    """Folder of our own CUDA sources: ``scaledmm/csrc`` in an installed wheel,
+    ``csrc/`` next to ``scaledmm/`` in the repository (editable install)."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "csrc", here.parent / "csrc"):
+        if cand.is_dir():
+            return cand
+    return here.parent / "csrc"
 
 
 def source_closure(sources: Iterable[str | Path], own_dirs: Sequence[str | Path] = ()) -> list[Path]:
@@ -483,11 +483,13 @@ class NvccLibrarySpec:
 
     def load(self) -> ctypes.CDLL:
         """Build if needed and ``ctypes.CDLL`` the library (one handle per process)."""
-        path = str(self.build())
-        with _PROCESS_LOCK:
-            lib = _CDLLS.get(path)
-            if lib is None:
-                lib = _CDLLS[path] = ctypes.CDLL(path)
+        lib = _CDLLS.get(self.key)
+        if lib is None:
+            path = str(self.build())
+            with _PROCESS_LOCK:
+                lib = _CDLLS.get(self.key)
+                if lib is None:
+                    lib = _CDLLS[self.key] = ctypes.CDLL(path)
         return lib
 
 
@@ -600,12 +602,14 @@ class NvrtcKernelSpec:
         """Whether the cubin is already in the cache (builds nothing)."""
         return self.path.is_file()
 
-    def program_options(self):
-        """The ``cuda.core.ProgramOptions`` this spec compiles with."""
+    def program_options(self, **overrides: Any):
+        """The ``cuda.core.ProgramOptions`` this spec compiles with (``overrides``
+        replace fields, e.g. ``ptxas_options="-v"``)."""
         from cuda.core import ProgramOptions
 
         kw: dict[str, Any] = {"std": "c++17"}
         kw.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in self.options})
+        kw.update(overrides)
         includes = [str(Path(self.source_file).parent), *self.include_dirs, *cuda_include_dirs()]
         kw["include_path"] = list(kw.get("include_path") or []) + includes
         macros = [(k, v) for k, v in self.defines]
@@ -613,8 +617,12 @@ class NvrtcKernelSpec:
             kw["define_macro"] = list(kw.get("define_macro") or []) + macros
         return ProgramOptions(name=Path(self.source_file).name, arch=self.arch, **kw)
 
-    def compile(self) -> bytes:
-        """Compile with NVRTC and return the cubin (no cache; no GPU needed)."""
+    def compile(self, logs: Any = None, **overrides: Any) -> bytes:
+        """Compile with NVRTC and return the cubin (no cache; no GPU needed).
+
+        ``logs`` (anything with ``write``) receives the compiler's log;
+        ``overrides`` go to :meth:`program_options` (``ptxas_options="-v"``
+        reports registers and spills)."""
         ok, why = nvrtc_available()
         if not ok:
             raise JitError(f"scaledmm.jit: cannot compile '{self.name}': {why}")
@@ -622,7 +630,7 @@ class NvrtcKernelSpec:
 
         src = Path(self.source_file).read_text(encoding="utf-8")
         try:
-            obj = Program(src, "c++", options=self.program_options()).compile("cubin")
+            obj = Program(src, "c++", options=self.program_options(**overrides)).compile("cubin", logs=logs)
         except Exception as e:
             raise CompileError(f"scaledmm.jit: NVRTC failed compiling '{self.name}' "
                                f"({self.source_file}, defines {dict(self.defines)}):\n{e}") from e
@@ -641,11 +649,13 @@ class NvrtcKernelSpec:
 
     def load(self) -> "CudaModule":
         """Build if needed; the module (loaded on a device at first launch)."""
-        path = str(self.build())
-        with _PROCESS_LOCK:
-            mod = _MODULES.get(path)
-            if mod is None:
-                mod = _MODULES[path] = CudaModule(Path(path).read_bytes(), path)
+        mod = _MODULES.get(self.key)
+        if mod is None:
+            path = self.build()
+            with _PROCESS_LOCK:
+                mod = _MODULES.get(self.key)
+                if mod is None:
+                    mod = _MODULES[self.key] = CudaModule(path.read_bytes(), str(path))
         return mod
 
     def kernel(self, fn: str | None = None) -> "CudaKernel":
@@ -758,10 +768,16 @@ class CudaKernel:
                 types.append(type(a))
             else:
                 raise TypeError(f"args: expected tensors, None or ctypes scalars, got {type(a).__name__}")
-        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        if isinstance(device, int):
-            dev = torch.device("cuda", device)
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        if device is None:
+            idx = torch.cuda.current_device()
+        elif isinstance(device, int):
+            idx = device
+        else:
+            dev = torch.device(device)
+            idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        if idx != torch.cuda.current_device():  # launch with torch's device guard, like its own kernels
+            with torch.cuda.device(idx):
+                return self.launch(grid, block, args, device=idx, shared_mem=shared_mem, stream=stream, pdl=pdl)
         if stream is None:
             stream = torch.cuda.current_stream(idx)
         handle = stream.cuda_stream if hasattr(stream, "cuda_stream") else int(stream)

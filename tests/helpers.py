@@ -39,7 +39,8 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill with NaN (floating) or 0xFF bytes so unwritten elements show."""
     if t.dtype.is_floating_point and t.dtype.itemsize >= 2:
         return t.fill_(float("nan"))
-    return t.view(torch.uint8).fill_(0xFF) and t
+    t.view(torch.uint8).fill_(0xFF)
+    return t
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

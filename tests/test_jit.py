@@ -134,10 +134,14 @@ def test_nvrtc_compile_error_has_log(kernel_src, cache):
 
 
 _BUILDER = textwrap.dedent("""
-    import logging, os, sys, time
+    import importlib.util, logging, os, sys, time
     from pathlib import Path
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
-    from scaledmm import jit
+    # jit.py alone (no torch import): the core module needs only the standard library
+    spec = importlib.util.spec_from_file_location("scaledmm_jit_alone", sys.argv[3])
+    jit = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(jit)
+    assert "torch" not in sys.modules
     spec = jit.NvrtcKernelSpec("tiny_fill", sys.argv[1], defines={"SCALE": 7})
     spec.key
     go = Path(sys.argv[2])
@@ -151,7 +155,7 @@ _BUILDER = textwrap.dedent("""
 def test_two_processes_build_once(cache, kernel_src, tmp_path):
     go = tmp_path / "go"
     env = dict(os.environ, **{jit.ENV_CACHE_DIR: str(cache)})
-    procs = [subprocess.Popen([sys.executable, "-c", _BUILDER, str(kernel_src / "tiny.cu"), str(go)],
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILDER, str(kernel_src / "tiny.cu"), str(go), jit.__file__],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
     import time

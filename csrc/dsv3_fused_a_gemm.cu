@@ -1,0 +1,333 @@
+// Skinny bf16 GEMM for DeepSeek-V3's fused q_a / kv_a projection and kin:
+//
+//     out[m, n] = sum_k x[m, k] * w[n, k]      x: bf16 [M, K], 1 <= M <= 16
+//                                              w: bf16 [N, K] row-major, out: bf16 [M, N]
+//
+// Compiled at run time with NVRTC (scaledmm/jit.py); needs no CUDA header.
+// Every size and tile choice is a macro, so one cubin serves one (N, K, config):
+//
+//   FA_N, FA_K      problem size (N % 16 == 0, K % 32 == 0)
+//   FA_ROWS         weight rows per CTA (16, 32 or 64)
+//   FA_WARPS        warps per CTA; they split the CTA's K range between them
+//   FA_SPLIT_K      CTAs per thread-block cluster along K (1, 2, 4, 8); their
+//                   partial sums are added through distributed shared memory
+//   FA_UNROLL       32-wide K units each warp loads per step (register batch)
+//   FA_MB           M bucket: 8 (M <= 8) or 16 (9 <= M <= 16)
+//   FA_PREFETCH     1: each CTA first asks the TMA unit to prefetch its weight
+//                   slice into L2 (cp.async.bulk.prefetch; allowed before the
+//                   PDL wait because it only warms a coherent cache)
+//
+// Design: the kernel is bound by streaming the weight from HBM once.
+//  * Tensor cores with A and B swapped: A = 16 weight rows x 16 k, B = x^T
+//    (16 k x 8 rows of x), D = out^T (16 n x 8 m), mma.sync m16n8k16 bf16 with
+//    fp32 accumulation.  M <= 8 wastes nothing; 9..16 uses two B fragments.
+//  * The reduction order over k is free, so each thread loads 16 contiguous
+//    bytes (8 k) of a weight row and of an x row straight from global memory
+//    into registers and uses them as its fragment elements of two mma k-steps
+//    (thread lane = 4 * g + t holds rows g and g + 8, k = 8 t .. 8 t + 7 of each
+//    32-wide unit; the same permutation is applied to x).  No shared-memory
+//    staging, no ldmatrix; loads are double-buffered in registers.
+//  * Split-K inside the CTA across warps (shared-memory reduction) and, for
+//    narrow N, across the CTAs of a cluster (DSMEM reduction, fixed order).
+//    The output is fully written by every launch from registers: no workspace,
+//    no memset, no atomics, bit-reproducible run to run, CUDA-graph safe.
+//  * PDL: griddepcontrol.wait before the first load of x or w,
+//    griddepcontrol.launch_dependents after the main loop.  Both are no-ops
+//    when the launch does not enable programmatic stream serialization.
+
+#ifndef FA_N
+#error "FA_N (output columns) must be defined"
+#endif
+#ifndef FA_K
+#error "FA_K (reduction length) must be defined"
+#endif
+#ifndef FA_ROWS
+#define FA_ROWS 16
+#endif
+#ifndef FA_WARPS
+#define FA_WARPS 8
+#endif
+#ifndef FA_SPLIT_K
+#define FA_SPLIT_K 1
+#endif
+#ifndef FA_UNROLL
+#define FA_UNROLL 4
+#endif
+#ifndef FA_MB
+#define FA_MB 16
+#endif
+#ifndef FA_PREFETCH
+#define FA_PREFETCH 0
+#endif
+
+namespace fa {
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct alignas(16) V4 {
+  u32 v[4];
+};
+
+constexpr int N = FA_N;
+constexpr int K = FA_K;
+constexpr int ROWS = FA_ROWS;
+constexpr int NT = ROWS / 16;         // 16-row mma tiles per CTA
+constexpr int WARPS = FA_WARPS;
+constexpr int THREADS = WARPS * 32;
+constexpr int SPLIT = FA_SPLIT_K;
+constexpr int U = FA_UNROLL;
+constexpr int MB = FA_MB;
+constexpr int MF = MB / 8;            // x fragments (8 rows each)
+constexpr int UNITS = K / 32;         // 32-wide K units
+constexpr int UNITS_PER_SPLIT = (UNITS + SPLIT - 1) / SPLIT;
+constexpr bool FULL_UNITS = UNITS % (SPLIT * U) == 0;  // no partial batch anywhere
+constexpr bool FULL_ROWS = N % ROWS == 0;              // no partial CTA row tile
+constexpr int TILE = ROWS * MB;                       // fp32 partials per CTA
+
+static_assert(N % 16 == 0, "N must be a multiple of 16");
+static_assert(K % 32 == 0, "K must be a multiple of 32");
+static_assert(ROWS == 16 || ROWS == 32 || ROWS == 64, "FA_ROWS must be 16, 32 or 64");
+static_assert(MB == 8 || MB == 16, "FA_MB must be 8 or 16");
+static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4 || SPLIT == 8, "FA_SPLIT_K must be 1, 2, 4 or 8");
+static_assert(WARPS >= 1 && WARPS <= 16, "FA_WARPS must be 1..16");
+static_assert(U >= 1 && U <= 8, "FA_UNROLL must be 1..8");
+static_assert(WARPS * TILE * 4 <= 48 * 1024, "reduction buffer exceeds 48 KiB of static shared memory");
+
+// -- PTX helpers ---------------------------------------------------------------
+
+__device__ __forceinline__ V4 load_weight(const u16* p) {
+  V4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3])
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ V4 load_act(const u16* p) {
+  V4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3])
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ V4 zero4() {
+  V4 r;
+  r.v[0] = r.v[1] = r.v[2] = r.v[3] = 0u;
+  return r;
+}
+
+// D (16 x 8, fp32) += A (16 x 16, bf16, row) * B (16 x 8, bf16, col)
+__device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ float load_peer_smem(const float* p, u32 rank) {
+  u32 local, remote;
+  asm volatile("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(local) : "l"(p));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+// -- one warp's register batch: U units x (NT tiles x 2 row halves) of w, U x MF of x
+
+struct Batch {
+  V4 w[U][NT][2];
+  V4 x[U][MF];
+};
+
+struct Operands {
+  const u16* w_row[NT][2];  // row g and g + 8 of each 16-row tile, at k = 8 t
+  bool w_ok[NT];
+  const u16* x_row[MF];     // x row g and g + 8, at k = 8 t
+  bool x_ok[MF];
+  int u_begin, u_end;
+};
+
+__device__ __forceinline__ void load_batch(Batch& b, const Operands& op, int batch) {
+#pragma unroll
+  for (int i = 0; i < U; ++i) {
+    const int unit = op.u_begin + batch * U + i;
+    const bool unit_ok = FULL_UNITS || unit < op.u_end;
+    const long long k0 = (long long)unit * 32;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        b.w[i][t][h] = (unit_ok && (FULL_ROWS || op.w_ok[t])) ? load_weight(op.w_row[t][h] + k0) : zero4();
+      }
+    }
+#pragma unroll
+    for (int f = 0; f < MF; ++f) {
+      b.x[i][f] = (unit_ok && op.x_ok[f]) ? load_act(op.x_row[f] + k0) : zero4();
+    }
+  }
+}
+
+__device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& b) {
+#pragma unroll
+  for (int i = 0; i < U; ++i) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {  // two k16 steps per 32-wide unit
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+#pragma unroll
+        for (int f = 0; f < MF; ++f) {
+          mma_bf16(acc[t][f], b.w[i][t][0].v[2 * j], b.w[i][t][1].v[2 * j], b.w[i][t][0].v[2 * j + 1],
+                   b.w[i][t][1].v[2 * j + 1], b.x[i][f].v[2 * j], b.x[i][f].v[2 * j + 1]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace fa
+
+#if FA_SPLIT_K > 1
+#define FA_CLUSTER __cluster_dims__(1, FA_SPLIT_K, 1)
+#else
+#define FA_CLUSTER
+#endif
+
+// grid (ceil(N / ROWS), SPLIT_K), block (32 * WARPS); clusters of (1, SPLIT_K, 1).
+// x_stride: elements between rows of x (a multiple of 8, or anything when m == 1).
+extern "C" __global__ void FA_CLUSTER __launch_bounds__(fa::THREADS, 1)
+dsv3_fused_a_gemm(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
+                  unsigned short* __restrict__ out, int m, long long x_stride) {
+  using namespace fa;
+  __shared__ float red[WARPS][TILE];  // red[warp][mm * ROWS + row]
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2;
+  const int t4 = lane & 3;
+  const int n0 = blockIdx.x * ROWS;
+
+  Operands op;
+  op.u_begin = blockIdx.y * UNITS_PER_SPLIT;
+  op.u_end = op.u_begin + UNITS_PER_SPLIT < UNITS ? op.u_begin + UNITS_PER_SPLIT : UNITS;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    op.w_ok[t] = n0 + t * 16 < N;
+    const u64 row = (u64)(n0 + t * 16 + g);
+    op.w_row[t][0] = w + row * K + t4 * 8;
+    op.w_row[t][1] = w + (row + 8) * K + t4 * 8;
+  }
+#pragma unroll
+  for (int f = 0; f < MF; ++f) {
+    op.x_ok[f] = f * 8 + g < m;
+    op.x_row[f] = x + (long long)(f * 8 + g) * x_stride + t4 * 8;
+  }
+
+  if (FA_PREFETCH && (int)threadIdx.x < ROWS && n0 + (int)threadIdx.x < N && op.u_end > op.u_begin) {
+    prefetch_l2(w + (u64)(n0 + threadIdx.x) * K + (u64)op.u_begin * 32, (u32)(op.u_end - op.u_begin) * 64u);
+  }
+  grid_dependency_wait();
+
+  float acc[NT][MF][4];
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int f = 0; f < MF; ++f)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[t][f][e] = 0.f;
+
+  // Warps take batches of U units round-robin; two register batches in flight.
+  const int nbatch = (op.u_end - op.u_begin + U - 1) / U;
+  Batch b0, b1;
+  int b = warp;
+  if (b < nbatch) load_batch(b0, op, b);
+  while (b < nbatch) {
+    if (b + WARPS < nbatch) load_batch(b1, op, b + WARPS);
+    mma_batch(acc, b0);
+    b += WARPS;
+    if (b >= nbatch) break;
+    if (b + WARPS < nbatch) load_batch(b0, op, b + WARPS);
+    mma_batch(acc, b1);
+    b += WARPS;
+  }
+  launch_dependents();
+
+  // Warp partials -> shared memory.  acc[t][f] = D of rows t*16 + g (+8),
+  // columns mm = f*8 + 2*t4 (+1).
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+#pragma unroll
+    for (int f = 0; f < MF; ++f) {
+      const int r = t * 16 + g;
+      const int mm = f * 8 + 2 * t4;
+      red[warp][mm * ROWS + r] = acc[t][f][0];
+      red[warp][(mm + 1) * ROWS + r] = acc[t][f][1];
+      red[warp][mm * ROWS + r + 8] = acc[t][f][2];
+      red[warp][(mm + 1) * ROWS + r + 8] = acc[t][f][3];
+    }
+  }
+  __syncthreads();
+
+  // Sum over warps in a fixed order; red[0] then holds the CTA's partial
+  // (each element is read and rewritten by the same thread).
+  for (int e = threadIdx.x; e < TILE; e += THREADS) {
+    float s = red[0][e];
+#pragma unroll
+    for (int v = 1; v < WARPS; ++v) s += red[v][e];
+    if (SPLIT == 1) {
+      const int mm = e / ROWS;
+      const int n = n0 + e % ROWS;
+      if (mm < m && (FULL_ROWS || n < N)) out[(long long)mm * N + n] = to_bf16(s);
+    } else {
+      red[0][e] = s;
+    }
+  }
+
+  if (SPLIT > 1) {
+    // Sum over the cluster's CTAs (ranks in a fixed order) through DSMEM; each
+    // CTA writes 1/SPLIT of the tile.
+    cluster_sync();
+    const int rank = (int)cluster_rank();
+    constexpr int PER = (TILE + SPLIT - 1) / SPLIT;
+    for (int e = rank * PER + threadIdx.x; e < (rank + 1) * PER && e < TILE; e += THREADS) {
+      float s = 0.f;
+#pragma unroll
+      for (int p = 0; p < SPLIT; ++p) s += load_peer_smem(&red[0][e], (u32)p);
+      const int mm = e / ROWS;
+      const int n = n0 + e % ROWS;
+      if (mm < m && (FULL_ROWS || n < N)) out[(long long)mm * N + n] = to_bf16(s);
+    }
+    cluster_sync();  // keep every CTA's shared memory alive until its peers have read it
+  }
+}

@@ -1,0 +1,854 @@
+"""FP8 block-scaled GEMM in Triton: backend ``triton`` of the ``fp8_block`` family.
+
+DeepSeek-V3 recipe (SPEC.md "FP8 block-scaled GEMM"): activations quantized per
+1 x 128 group, weights per 128 x 128 block.  Three kernels:
+
+* ``_quant_kernel``: ``per_token_group_quant_fp8``, bit-identical to
+  ``ops.fp8_block.reference_quant`` (a true division ``x / s``, round to
+  nearest even); any row stride; row-major, column-major or TMA-aligned
+  column-major scales; optional ue8m0 (power-of-two) scales.
+* ``_mm_kernel``: ``fp8_block_mm`` for any M (masked loads or TMA
+  out-of-bounds fill, no padding copies).  One 128-wide K block per step: an
+  fp32 ``tl.dot`` of the fp8 tiles, scaled by ``a_scale[m] * b_scale[n]`` and
+  added to the fp32 accumulator.  Options (one frozen :class:`MMConfig`):
+  split-K (fp32 workspace + ``_splitk_reduce_kernel``, fixed summation order),
+  swap-AB (the weight fills the MMA's M side, tokens the narrow N side: the
+  small-M weight-streaming shape), TMA descriptors, a persistent grid, warp
+  specialization, and quantization of a bf16/fp16 activation inside the GEMM
+  (``fp8_block_linear``; bit-identical to the quant op followed by the GEMM
+  with the same config).
+* ``_splitk_reduce_kernel``: sums the split-K partials (+ bias) and rounds once.
+
+Devices: sm90 (wgmma, TMA), sm89 and sm100+ (native fp8 ``tl.dot``), sm80
+(no fp8 type: operands travel as bytes, are widened to fp16 exactly in
+registers and multiplied on fp16 tensor cores; e4m3 NaN codes read as finite
+values there), and the CPU under ``TRITON_INTERPRET=1`` (set before triton is
+imported) for tests.
+
+Read top to bottom: capability checks, config space, kernels, launchers,
+backend registration.  References live in ``ops/fp8_block.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from scaledmm import backends
+from scaledmm import validation as V
+from scaledmm.backends import Backend, Problem
+from scaledmm.oplib import FP8_DTYPE, FP8_MAX
+
+from . import fp8_block as base
+
+__all__ = [
+    "MMConfig",
+    "config_ok",
+    "default_config",
+    "candidate_configs",
+    "per_token_group_quant",
+    "mm",
+    "linear",
+    "is_supported",
+    "can_implement",
+]
+
+NAME = "triton"
+BLOCK_K = 128  # one K step == one scale block
+M_BUCKETS = (16, 64, 128, 512)  # bucket i holds M <= M_BUCKETS[i]; the last holds the rest
+FUSE_QUANT_MAX_M = 64  # fp8_block_linear quantizes inside the GEMM up to this M (see NOTES.md)
+
+# Triton picks interpreter or compiler when a kernel is decorated, i.e. when
+# this module is imported: remember which one these kernels got.
+_INTERPRET = triton.knobs.runtime.interpret if hasattr(triton, "knobs") else os.environ.get(
+    "TRITON_INTERPRET") == "1"
+
+
+def _fix_interpreter_index() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns
+    them into loop bounds with ``int(array)``, which NumPy >= 2.4 refuses; a
+    ``for k in range(lo, hi)`` over runtime values then fails.  Interpreter
+    mode only; a no-op where NumPy still converts."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.array([1]))
+        return
+    except TypeError:
+        pass
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_scaledmm_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._scaledmm_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if _INTERPRET:
+    _fix_interpreter_index()
+
+# ----------------------------------------------------------------------------
+# Capability checks
+# ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)
+
+
+def is_supported(device: torch.device) -> tuple[bool, str]:
+    """Whether these kernels run on ``device``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops import fp8_block_triton as T
+    >>> T.is_supported(torch.device("cpu"))[0] == T._INTERPRET
+    True
+    """
+    if device.type == "cpu":
+        if _INTERPRET:
+            return True, "Triton interpreter (TRITON_INTERPRET=1 at import)"
+        return False, "CPU runs only under TRITON_INTERPRET=1 set before triton is imported"
+    if device.type != "cuda" or torch.version.hip:
+        return False, f"needs an NVIDIA GPU, got {device}"
+    if _INTERPRET:
+        return False, "kernels were built for the interpreter (TRITON_INTERPRET=1)"
+    major, minor = _capability(device)
+    if major < 8:
+        return False, f"needs sm80+, device is sm{major}{minor}"
+    if major == 8 and minor < 9:
+        return True, f"sm{major}{minor}: fp8 widened to fp16 in registers, fp16 tensor cores"
+    if major == 9:
+        return True, "sm90: wgmma fp8, TMA"
+    return True, f"sm{major}{minor}: native fp8 tl.dot"
+
+
+def can_implement(p: Problem) -> tuple[bool, str]:
+    """Per-problem check shared by the quant, GEMM and linear ops."""
+    group = p.opt("group_size")
+    if group is not None:  # per_token_group_quant_fp8
+        if group > 4096:
+            return False, f"group_size <= 4096, got {group}"
+        return True, "any M, any row stride"
+    if p.opt("block_size") != (128, 128):
+        return False, f"needs block_size (128, 128), got {p.opt('block_size')}"
+    if p.out_dtype not in V.FLOAT_OUT_DTYPES:
+        return False, f"out_dtype bf16/fp16/fp32, got {p.out_dtype}"
+    return True, "any M, N, K"
+
+
+def _soft_fp8(device: torch.device) -> bool:
+    """No usable fp8 type: the interpreter's fp32->fp8 cast is not round to
+    nearest even, and sm80 has no e4m3 at all."""
+    return _INTERPRET or _capability(device) < (8, 9)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# ----------------------------------------------------------------------------
+# Config space
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MMConfig:
+    """One launch configuration of ``_mm_kernel``.
+
+    Parameters
+    ----------
+    block_m, block_n : int
+        Output tile (tokens x weight rows).  ``block_k`` is fixed at 128.
+    split_k : int
+        K-block ranges computed by separate programs, summed in fixed order.
+    swap_ab : bool
+        Compute the tile transposed (weight rows on the MMA's M side).
+    group_m : int
+        Tile-order swizzle (L2 reuse of weight tiles along M).
+    num_warps, num_stages : int
+        Triton launch options (pipeline depth of the K loop).
+    tma : bool
+        Load tiles through host-made TMA descriptors (sm90+, aligned operands;
+        the launcher falls back to pointer loads where alignment forbids).
+    persistent : bool
+        One program per SM looping over tiles (split_k must be 1).
+    warp_specialize : bool
+        Ask Triton to split producer and consumer warps (sm90+).
+    """
+
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    swap_ab: bool = False
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+    tma: bool = False
+    persistent: bool = False
+    warp_specialize: bool = False
+
+    def short(self) -> str:
+        flags = "".join(f for f, on in (("S", self.swap_ab), ("T", self.tma), ("P", self.persistent),
+                                        ("W", self.warp_specialize)) if on)
+        return (f"{self.block_m}x{self.block_n}k{self.split_k}w{self.num_warps}s{self.num_stages}"
+                + (f"-{flags}" if flags else ""))
+
+
+_POW2 = (16, 32, 64, 128, 256)
+_SMEM_LIMIT = 227 * 1024  # sm90 per-block opt-in maximum
+
+
+def smem_bytes(cfg: MMConfig, a_bytes: int = 1) -> int:
+    """Shared memory of the pipelined operand tiles (what bounds num_stages)."""
+    return cfg.num_stages * BLOCK_K * (cfg.block_m * a_bytes + cfg.block_n)
+
+
+def config_ok(cfg: MMConfig, m: int, n: int, k: int, fused: bool = False) -> tuple[bool, str]:
+    """The one validity predicate: dispatch, autotuning and tests all call it.
+
+    ``fused`` says the A tiles are bf16/fp16 (quantized inside the GEMM).
+
+    Examples
+    --------
+    >>> config_ok(MMConfig(16, 64, split_k=4, swap_ab=True), 1, 2112, 7168)
+    (True, 'ok')
+    >>> config_ok(MMConfig(16, 64, split_k=99), 1, 2112, 7168)[0]
+    False
+    """
+    kb = V.ceil_div(k, BLOCK_K)
+    checks = (
+        (cfg.block_m in _POW2 and cfg.block_n in _POW2, f"block_m, block_n in {_POW2}"),
+        (cfg.num_warps in (4, 8), "num_warps 4 or 8"),
+        # the fp32 accumulator and one fresh dot result per K step live in registers
+        (2 * cfg.block_m * cfg.block_n <= 128 * 32 * cfg.num_warps, "<= 128 accumulator registers per thread"),
+        (1 <= cfg.num_stages <= 8, "num_stages in [1, 8]"),
+        (cfg.group_m >= 1, "group_m >= 1"),
+        (1 <= cfg.split_k <= max(1, min(64, kb)), f"split_k in [1, min(64, K blocks = {kb})]"),
+        (not cfg.persistent or cfg.split_k == 1, "persistent grid needs split_k == 1"),
+        (not cfg.warp_specialize or cfg.persistent, "warp specialization only with the persistent grid"),
+        (smem_bytes(cfg, 2 if fused else 1) <= _SMEM_LIMIT, f"pipeline within {_SMEM_LIMIT} B of shared memory"),
+    )
+    for ok, what in checks:
+        if not ok:
+            return False, f"needs {what}, got {cfg}"
+    return True, "ok"
+
+
+def m_bucket(m: int) -> int:
+    """Index of the M bucket (1-16, 17-64, 65-128, 129-512, >512)."""
+    return next((i for i, hi in enumerate(M_BUCKETS) if m <= hi), len(M_BUCKETS))
+
+
+# Per-bucket base tiles (sm90; sm8x's mma.sync tiles hold both operands in
+# registers, so they get 64x128 past the small buckets).  Split-K is derived
+# from N, K and the SM count so the weight stream is spread over enough
+# programs.  Measured overrides go in _TUNED, keyed (bucket, n, k, fused).
+_BUCKET_BASE = (
+    MMConfig(16, 64, swap_ab=True, num_warps=4, num_stages=6),
+    MMConfig(64, 64, swap_ab=True, num_warps=4, num_stages=5),
+    MMConfig(64, 128, num_warps=4, num_stages=4),
+    MMConfig(128, 128, num_warps=8, num_stages=4),
+    MMConfig(128, 128, num_warps=8, num_stages=4, tma=True),
+)
+_SM8X_LARGE = MMConfig(64, 128, num_warps=4, num_stages=3)
+_TUNED: dict[tuple[int, int, int, bool], MMConfig] = {}
+_AUTOTUNED: dict[tuple, MMConfig] = {}
+
+
+def _split_for(m: int, n: int, k: int, bm: int, bn: int, num_sms: int) -> int:
+    """About two resident programs per SM, at least 4 K blocks each."""
+    tiles = V.ceil_div(max(m, 1), bm) * V.ceil_div(n, bn)
+    if tiles >= num_sms:
+        return 1
+    return max(1, min(V.ceil_div(2 * num_sms, tiles), V.ceil_div(k, BLOCK_K) // 4, 16))
+
+
+def default_config(m: int, n: int, k: int, num_sms: int = 132, fused: bool = False,
+                   sm90: bool = True) -> MMConfig:
+    """The fixed config for an M bucket, keyed also by N and K (no autotuning,
+    so a first call inside a CUDA-graph capture launches at once).
+
+    Examples
+    --------
+    >>> default_config(1, 2112, 7168).short()
+    '16x64k8w4s6-S'
+    """
+    b = m_bucket(m)
+    cfg = _TUNED.get((b, n, k, fused)) if sm90 else None
+    if cfg is None:
+        base_cfg = _BUCKET_BASE[b] if sm90 or b < 2 else _SM8X_LARGE
+        split = _split_for(m, n, k, base_cfg.block_m, base_cfg.block_n, num_sms)
+        cfg = dataclasses.replace(base_cfg, split_k=split)
+    if not config_ok(cfg, m, n, k, fused)[0]:  # e.g. a tiny K
+        cfg = dataclasses.replace(cfg, split_k=1, num_stages=min(cfg.num_stages, 3))
+    return cfg
+
+
+def candidate_configs(m: int, n: int, k: int, num_sms: int = 132, fused: bool = False) -> list[MMConfig]:
+    """A short list per bucket (sm90) for the autotuner and the device benchmark."""
+    b = m_bucket(m)
+    if b <= 1:
+        bms = (16,) if b == 0 else (32, 64)
+        tiles = [(bm, bn, True) for bm in bms for bn in (64, 128)] + [(bms[-1], 64, False)]
+        stages = (4, 6)
+    elif b == 2:
+        tiles = [(64, 128, False), (128, 128, False), (64, 64, True), (128, 64, True)]
+        stages = (3, 4)
+    else:
+        tiles = [(128, 128, False), (64, 256, False)]
+        stages = (3, 4)
+    out = []
+    for bm, bn, swap in tiles:
+        for st in stages:
+            warps = 8 if bm * bn >= 128 * 128 else 4
+            split = _split_for(m, n, k, bm, bn, num_sms)
+            for sk in sorted({split, max(1, split // 2)}):
+                out.append(MMConfig(bm, bn, split_k=sk, swap_ab=swap, num_warps=warps, num_stages=st))
+    if b >= 3:
+        big = MMConfig(128, 128, num_warps=8, num_stages=4, tma=True)
+        out += [big, dataclasses.replace(big, persistent=True),
+                dataclasses.replace(big, persistent=True, warp_specialize=True),
+                MMConfig(64, 256, num_warps=8, num_stages=4, tma=True, persistent=True)]
+    uniq = []
+    for c in out:
+        if c not in uniq and config_ok(c, m, n, k, fused)[0]:
+            uniq.append(c)
+    return uniq
+
+
+# ----------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _e4m3_soft(v):
+    """fp32 in [-448, 448] (or NaN) -> e4m3 bits, round to nearest even, as uint8."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31).to(tl.int32)
+    mag = bits & 0x7FFFFFFF
+    exp = (mag >> 23).to(tl.int32) - 127
+    mant = mag & 0x7FFFFF
+    # normal e4m3 (|v| >= 2**-6): keep 3 mantissa bits, carry may bump the exponent
+    base = ((exp + 7) << 3) | (mant >> 20).to(tl.int32)
+    rest = mant & 0xFFFFF
+    up = (rest > 0x80000) | ((rest == 0x80000) & ((base & 1) == 1))
+    normal = base + up.to(tl.int32)
+    # subnormal: multiples of 2**-9, rounded to nearest even by the 2**23 trick
+    scaled = tl.abs(v) * 512.0
+    sub = ((scaled + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(exp >= -6, normal, sub)
+    code = tl.where(mag > 0x7F800000, 0x7F, code)
+    return (code | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def _pow2_ceil(s, INTERPRET: tl.constexpr):
+    """2 ** ceil(log2(s)) as the reference computes it (log2 in fp32)."""
+    if INTERPRET:
+        lg = tl.log2(s)
+    else:
+        lg = tl.extra.cuda.libdevice.log2(s)
+    finite = (s == s) & (s < float("inf"))
+    e = tl.where(finite, tl.ceil(lg), 0.0)
+    e = tl.minimum(tl.maximum(e, -126.0), 127.0).to(tl.int32)
+    p = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(finite, p, s)
+
+
+@triton.jit
+def _quant_rows(x, eps, UE8M0: tl.constexpr, SOFT_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """Quantize each row of an fp32 tile as one group (padding lanes must be 0).
+
+    Returns (codes, scales): codes are e4m3 (uint8 bits when SOFT_FP8)."""
+    amax = tl.reduce(tl.abs(x), 1, _max_nan)
+    s = tl.math.div_rn(tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL), 448.0)
+    if UE8M0:
+        s = _pow2_ceil(s, INTERPRET)
+    y = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    if SOFT_FP8:
+        q = _e4m3_soft(y)
+        if INTERPRET:  # the interpreter's fp8 dot is exact: keep an fp8 tile
+            q = q.to(tl.float8e4nv, bitcast=True)
+    else:
+        q = y.to(tl.float8e4nv)
+    return q, s
+
+
+@triton.jit(do_not_specialize=["M", "stride_sm", "stride_sg"])
+def _quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, eps,
+                  GROUP: tl.constexpr, GP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+                  NUM_GROUPS: tl.constexpr, ROWS: tl.constexpr, UE8M0: tl.constexpr,
+                  SOFT_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, GP)
+    rmask = rows < M
+    rows64 = rows.to(tl.int64)
+    for i in tl.static_range(GROUPS_PER_PROG):
+        g = tl.program_id(1) * GROUPS_PER_PROG + i
+        mask = rmask[:, None] & (cols < GROUP)[None, :] & (g < NUM_GROUPS)
+        k = g * GROUP + cols
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
+        q, s = _quant_rows(x.to(tl.float32), eps, UE8M0, SOFT_FP8, INTERPRET)
+        tl.store(q_ptr + rows64[:, None] * stride_qm + k[None, :], q, mask=mask)
+        tl.store(s_ptr + rows * stride_sm + g * stride_sg, s, mask=rmask & (g < NUM_GROUPS))
+
+
+@triton.jit
+def _fp16_from_e4m3(codes):
+    """e4m3 bits (uint8) -> fp16 holding value * 2**-8, exactly (sm80 path)."""
+    c = codes.to(tl.uint16)
+    return (((c & 0x80) << 8) | ((c & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % size_m
+    pid_n = (tile % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mm_tile(a, b, a_s, b_s, M, N, K, off_m, off_n, kb_lo, kb_hi,
+             stride_am, stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             SWAP_AB: tl.constexpr, QUANT_A: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+             EVEN_K: tl.constexpr, SOFT_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 accumulator of one output tile over K blocks [kb_lo, kb_hi)
+    ([BLOCK_N, BLOCK_M] when SWAP_AB)."""
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    if not A_TMA:
+        a_rows = a + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    if not B_TMA:
+        b_rows = b + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+    as_rows = a_s + offs_m * stride_asm
+    if BLOCK_N <= 128:  # the tile sits inside one 128-row weight block
+        bs_ptr = b_s + (off_n // 128) * stride_bsn
+    else:
+        bs_ptr = b_s + (offs_n // 128) * stride_bsn
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        k0 = kb * BLOCK_K
+        if A_TMA:
+            a_t = a.load([off_m, k0])
+        elif EVEN_K:
+            a_t = tl.load(a_rows + k0, mask=m_mask[:, None], other=0.0)
+        else:
+            a_t = tl.load(a_rows + k0, mask=m_mask[:, None] & (offs_k + k0 < K)[None, :], other=0.0)
+        if B_TMA:
+            b_t = b.load([off_n, k0])
+        elif EVEN_K:
+            b_t = tl.load(b_rows + k0, mask=n_mask[:, None], other=0.0)
+        else:
+            b_t = tl.load(b_rows + k0, mask=n_mask[:, None] & (offs_k + k0 < K)[None, :], other=0.0)
+        if QUANT_A:
+            a_t, sa = _quant_rows(a_t.to(tl.float32), eps, False, SOFT_FP8, INTERPRET)
+        else:
+            sa = tl.load(as_rows + kb * stride_ask, mask=m_mask, other=0.0)
+        if BLOCK_N <= 128:
+            sb = tl.load(bs_ptr + kb * stride_bsk)
+        else:
+            sb = tl.load(bs_ptr + kb * stride_bsk, mask=n_mask, other=0.0)
+        if SOFT_FP8 and not INTERPRET:  # sm80: fp16 operands hold value * 2**-8 each
+            a_t = _fp16_from_e4m3(a_t)
+            b_t = _fp16_from_e4m3(b_t)
+            sa = sa * 65536.0
+        if SWAP_AB:
+            if BLOCK_N <= 128:
+                acc += tl.dot(b_t, tl.trans(a_t)) * (sb * sa)[None, :]
+            else:
+                acc += tl.dot(b_t, tl.trans(a_t)) * (sb[:, None] * sa[None, :])
+        else:
+            if BLOCK_N <= 128:
+                acc += tl.dot(a_t, tl.trans(b_t)) * (sa * sb)[:, None]
+            else:
+                acc += tl.dot(a_t, tl.trans(b_t)) * (sa[:, None] * sb[None, :])
+    return acc
+
+
+@triton.jit
+def _mm_store(acc, c, ws, bias, M, N, off_m, off_n, pid_k, stride_cm,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
+              SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    if SWAP_AB:
+        rows = offs_m.to(tl.int64)[None, :]
+        cols = offs_n[:, None]
+    else:
+        rows = offs_m.to(tl.int64)[:, None]
+        cols = offs_n[None, :]
+    mask = (rows < M) & (cols < N)
+    if SPLIT_K > 1:
+        tl.store(ws + pid_k.to(tl.int64) * M * N + rows * N + cols, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(c + rows * stride_cm + cols, acc.to(c.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "stride_asm", "stride_ask"])
+def _mm_kernel(a, b, c, ws, a_s, b_s, bias, M, N, K,
+               stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
+               QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+               EVEN_K: tl.constexpr, PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
+               WARP_SPEC: tl.constexpr, SOFT_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    kb_total = tl.cdiv(K, BLOCK_K)
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True,
+                             warp_specialize=WARP_SPEC):
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = _mm_tile(a, b, a_s, b_s, M, N, K, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, kb_total,
+                           stride_am, stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
+                           BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, QUANT_A, A_TMA, B_TMA, EVEN_K,
+                           SOFT_FP8, INTERPRET)
+            _mm_store(acc, c, ws, bias, M, N, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, stride_cm,
+                      BLOCK_M, BLOCK_N, SWAP_AB, 1, HAS_BIAS)
+    else:
+        pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_k = tl.program_id(1)
+        per_split = tl.cdiv(kb_total, SPLIT_K)
+        kb_lo = pid_k * per_split
+        kb_hi = tl.minimum(kb_lo + per_split, kb_total)
+        acc = _mm_tile(a, b, a_s, b_s, M, N, K, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi,
+                       stride_am, stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
+                       BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, QUANT_A, A_TMA, B_TMA, EVEN_K,
+                       SOFT_FP8, INTERPRET)
+        _mm_store(acc, c, ws, bias, M, N, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_k, stride_cm,
+                  BLOCK_M, BLOCK_N, SWAP_AB, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _splitk_reduce_kernel(ws, c, bias, M, N, stride_cm, SPLIT_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    rows = offs // N
+    cols = offs % N
+    acc = tl.load(ws + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws + s * M * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c + rows * stride_cm + cols, acc.to(c.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def _device_guard(device: torch.device):
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return _NULL_CTX
+
+
+class _NullCtx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL_CTX = _NullCtx()
+
+
+def _bytes_view(t: torch.Tensor, soft: bool) -> torch.Tensor:
+    """fp8 tensors travel as bytes where Triton has no e4m3 type (sm80)."""
+    return t.view(torch.uint8) if soft and not _INTERPRET and t.dtype == FP8_DTYPE else t
+
+
+def per_token_group_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1e-10,
+                          column_major_scales: bool = False, scale_ue8m0: bool = False,
+                          tma_aligned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` per 1 x ``group_size`` group to e4m3 (SPEC math).
+
+    Parameters
+    ----------
+    x : Tensor
+        bf16/fp16/fp32 ``[M, K]``, unit inner stride, any row stride.
+    group_size, eps, column_major_scales, scale_ue8m0
+        As ``torch.ops.scaledmm.per_token_group_quant_fp8``.
+    tma_aligned : bool
+        With ``column_major_scales``: scales with strides ``(1, round_up(M, 4))``
+        (16-byte aligned columns, what TMA-fed kernels read).
+
+    Returns
+    -------
+    (Tensor, Tensor)
+        e4m3 codes ``[M, K]`` and float32 scales ``[M, K / group_size]``.
+
+    Examples
+    --------
+    >>> import torch  # doctest: +SKIP
+    >>> q, s = per_token_group_quant(torch.randn(3, 256, device="cuda"), 128)  # doctest: +SKIP
+    >>> tuple(s.shape)  # doctest: +SKIP
+    (3, 2)
+    """
+    q, s = base.quant_outputs(x, group_size, eps, column_major_scales, scale_ue8m0)
+    m, k = x.shape
+    g = k // group_size
+    if tma_aligned and column_major_scales:
+        s = torch.empty((g, V.round_up(m, 4)), dtype=torch.float32, device=x.device)[:, :m].t()
+    if m == 0 or g == 0:
+        return q, s
+    soft = _soft_fp8(x.device)
+    gp = _next_pow2(group_size)
+    rows = min(16, _next_pow2(m))
+    per_prog = max(1, min(g, 4096 // (rows * gp)))
+    grid = (triton.cdiv(m, rows), triton.cdiv(g, per_prog))
+    with _device_guard(x.device):
+        _quant_kernel[grid](
+            x, _bytes_view(q, soft), s, m, x.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
+            GROUP=group_size, GP=gp, GROUPS_PER_PROG=per_prog, NUM_GROUPS=g, ROWS=rows,
+            UE8M0=bool(scale_ue8m0), SOFT_FP8=soft, INTERPRET=_INTERPRET, num_warps=4)
+    return q, s
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base and row stride."""
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(-1) == 1
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, [rows, BLOCK_K])
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("SCALEDMM_FP8_BLOCK_TRITON_AUTOTUNE", "0") == "1"
+
+
+def _pick_config(a, b, m, n, k, fused: bool, out_dtype) -> MMConfig:
+    num_sms = _num_sms(a.device)
+    if _autotune_enabled() and a.device.type == "cuda":
+        key = (m_bucket(m), n, k, fused, out_dtype)
+        cfg = _AUTOTUNED.get(key)
+        if cfg is None and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
+            cfg = _AUTOTUNED[key] = autotune(m, n, k, a.device, fused, out_dtype)
+        if cfg is not None:
+            return cfg
+    return default_config(m, n, k, num_sms, fused, _capability(a.device)[0] == 9 or a.device.type == "cpu")
+
+
+def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, quant_a: bool,
+            eps: float = 1e-10) -> torch.Tensor:
+    m, k = a.shape
+    n = b.shape[0]
+    out = base.mm_output(a, b, out_dtype)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.float().expand(m, n))
+    dev = a.device
+    if cfg is None:
+        cfg = _pick_config(a, b, m, n, k, quant_a, out_dtype)
+    ok, why = config_ok(cfg, m, n, k, quant_a)
+    if not ok:
+        V.fail("fp8_block_mm", "config", "a valid MMConfig", f"{cfg} ({why})")
+    soft = _soft_fp8(dev)
+    hopper_tma = dev.type == "cpu" or _capability(dev) >= (9, 0)
+    a_tma = cfg.tma and hopper_tma and not soft and _tma_ok(a)
+    b_tma = cfg.tma and hopper_tma and not soft and _tma_ok(b)
+    a_arg = _descriptor(a, cfg.block_m) if a_tma else _bytes_view(a, soft)
+    b_arg = _descriptor(b, cfg.block_n) if b_tma else _bytes_view(b, soft)
+    split = cfg.split_k
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=dev) if split > 1 else out
+    bias_arg = bias if bias is not None else out
+    if quant_a:
+        a_s, sa0, sa1 = out, 0, 0
+    else:
+        a_s, sa0, sa1 = a_scales, a_scales.stride(0), a_scales.stride(1)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if cfg.persistent:
+        grid = (min(tiles, _num_sms(dev)), 1)
+    else:
+        grid = (tiles, split)
+    with _device_guard(dev):
+        _mm_kernel[grid](
+            a_arg, b_arg, out, ws, a_s, b_scales, bias_arg, m, n, k,
+            a.stride(0), b.stride(0), out.stride(0), sa0, sa1, b_scales.stride(0), b_scales.stride(1),
+            float(eps),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
+            SPLIT_K=split, SWAP_AB=cfg.swap_ab, QUANT_A=quant_a, HAS_BIAS=bias is not None,
+            A_TMA=a_tma, B_TMA=b_tma, EVEN_K=k % BLOCK_K == 0, PERSISTENT=cfg.persistent,
+            NUM_PROGS=grid[0] if cfg.persistent else 1, WARP_SPEC=cfg.warp_specialize,
+            SOFT_FP8=soft, INTERPRET=_INTERPRET,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if split > 1:
+            block = 1024
+            _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+                ws, out, bias_arg, m, n, out.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None,
+                BLOCK=block, num_warps=4)
+    return out
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_scales: torch.Tensor,
+       out_dtype: torch.dtype = torch.bfloat16, config: MMConfig | None = None) -> torch.Tensor:
+    """FP8 block GEMM ``out[m, n] = sum_j a_s[m, j] b_s[n // 128, j] (a_j . b_j)``.
+
+    Parameters
+    ----------
+    a, b : Tensor
+        e4m3 ``[M, K]`` (unit inner stride) and ``[N, K]`` (contiguous).
+    a_scales : Tensor
+        float32 ``[M, ceil(K / 128)]``, row- or column-major.
+    b_scales : Tensor
+        float32 ``[ceil(N / 128), ceil(K / 128)]`` (rows may be padded).
+    out_dtype : torch.dtype
+        bf16, fp16 or fp32.
+    config : MMConfig, optional
+        Explicit launch config (must pass :func:`config_ok`); default per M bucket.
+
+    Examples
+    --------
+    >>> import torch  # doctest: +SKIP
+    >>> a = torch.randn(3, 256, device="cuda").to(torch.float8_e4m3fn)  # doctest: +SKIP
+    >>> b = torch.randn(128, 256, device="cuda").to(torch.float8_e4m3fn)  # doctest: +SKIP
+    >>> s = torch.ones(3, 2, device="cuda"); bs = torch.ones(1, 2, device="cuda")  # doctest: +SKIP
+    >>> mm(a, b, s, bs).shape  # doctest: +SKIP
+    torch.Size([3, 128])
+    """
+    base.check_mm_args("fp8_block_mm", a, b, a_scales, b_scales, (128, 128), out_dtype)
+    return _run_mm(a, b, a_scales, b_scales, out_dtype, None, config, quant_a=False)
+
+
+def linear(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+           bias: torch.Tensor | None = None, config: MMConfig | None = None,
+           fuse: bool | None = None) -> torch.Tensor:
+    """``fp8_block_linear``: quantize ``x`` per 1 x 128 group, block GEMM, + bias
+    in fp32, one rounding.
+
+    ``fuse`` (default: ``M <= FUSE_QUANT_MAX_M``) quantizes inside the GEMM;
+    otherwise the quant kernel runs first.  Both give the same bits for the
+    same ``config``.
+
+    Examples
+    --------
+    >>> import torch  # doctest: +SKIP
+    >>> x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> w = torch.randn(128, 256, device="cuda").to(torch.float8_e4m3fn)  # doctest: +SKIP
+    >>> linear(x, w, torch.ones(1, 2, device="cuda")).shape  # doctest: +SKIP
+    torch.Size([2, 128])
+    """
+    base.check_linear_args(x, b, b_scales, (128, 128), out_dtype, bias)
+    if fuse is None:
+        fuse = x.shape[0] <= FUSE_QUANT_MAX_M
+    if fuse:
+        return _run_mm(x, b, None, b_scales, out_dtype, bias, config, quant_a=True)
+    q, s = per_token_group_quant(x, BLOCK_K)
+    return _run_mm(q, b, s, b_scales, out_dtype, bias, config, quant_a=False)
+
+
+def autotune(m: int, n: int, k: int, device: torch.device, fused: bool = False,
+             out_dtype: torch.dtype = torch.bfloat16) -> MMConfig:
+    """Time :func:`candidate_configs` on random operands; return the fastest.
+
+    Used when ``SCALEDMM_FP8_BLOCK_TRITON_AUTOTUNE=1`` (results cached per
+    M bucket, N, K, fused, out dtype); never during CUDA-graph capture.
+    """
+    from triton.testing import do_bench
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    xa = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, k, device=device, generator=gen).to(FP8_DTYPE)
+    bs = torch.rand(V.ceil_div(n, 128), V.ceil_div(k, 128), device=device, generator=gen) + 0.5
+    q, s = per_token_group_quant(xa, 128) if k % 128 == 0 else (xa.to(FP8_DTYPE), torch.ones(
+        m, V.ceil_div(k, 128), device=device))
+    best, best_t = None, float("inf")
+    for cfg in candidate_configs(m, n, k, _num_sms(device), fused):
+        if fused:
+            fn = functools.partial(_run_mm, xa, b, None, bs, out_dtype, None, cfg, True)
+        else:
+            fn = functools.partial(_run_mm, q, b, s, bs, out_dtype, None, cfg, False)
+        try:
+            t = do_bench(fn, warmup=5, rep=20, return_mode="median")
+        except Exception:  # a config that does not compile or fit: skip it
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    return best if best is not None else default_config(m, n, k, _num_sms(device), fused)
+
+
+# ----------------------------------------------------------------------------
+# Backend registration
+# ----------------------------------------------------------------------------
+
+
+def _quant_op(x, group_size=128, eps=1e-10, column_major_scales=False, scale_ue8m0=False):
+    return per_token_group_quant(x, group_size, eps, column_major_scales, scale_ue8m0)
+
+
+def _mm_op(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
+    return _run_mm(a, b, a_scales, b_scales, out_dtype, None, None, quant_a=False)
+
+
+def _linear_op(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None):
+    fuse = x.shape[0] <= FUSE_QUANT_MAX_M
+    if fuse:
+        return _run_mm(x, b, None, b_scales, out_dtype, bias, None, quant_a=True)
+    q, s = per_token_group_quant(x, BLOCK_K)
+    return _run_mm(q, b, s, b_scales, out_dtype, bias, None, quant_a=False)
+
+
+backends.register(Backend(
+    base.FAMILY, NAME,
+    impls={
+        "per_token_group_quant_fp8": _quant_op,
+        "fp8_block_mm": _mm_op,
+        "fp8_block_linear": _linear_op,
+    },
+    is_supported=is_supported,
+    can_implement=can_implement,
+    needs_m_multiple=1,
+    description="Triton: any M, split-K / swap-AB small-M tiles, TMA + persistent large-M, fused act quant",
+))

@@ -1,0 +1,764 @@
+"""NVFP4 Triton kernels for any sm80+ GPU, Hopper included: backend ``triton``
+of the ``nvfp4`` family (SPEC.md "NVFP4").
+
+Hopper has no FP4 tensor cores, so the GEMMs decode the packed e2m1 codes and
+their e4m3 block scales in registers and multiply on fp16/bf16 tensor cores
+with fp32 accumulation.  That is exact: every product ``e2m1 * e4m3`` has at
+most 6 significant bits and lies in ``[2**-10, 2688]``, so it is representable
+in fp16 (and bf16), and the tensor core multiplies representable values exactly.
+
+Read top to bottom:
+
+1. capability checks (``is_supported``, ``can_implement``);
+2. the quantizer kernel (``nvfp4_quant``), bit-identical to SPEC's rule;
+3. the e2m1 decoders: plain Triton (runs in the interpreter) and inline PTX
+   (GPU only, about 2.5 instructions per element);
+4. the GEMM config space: :class:`GemmConfig`, its one validity predicate
+   :func:`config_ok`, the fixed default per M bucket, optional autotuning;
+5. the GEMM kernel (W4A4 and W4A16 share it) and its launcher;
+6. backend registration, public functions.
+
+Environment knobs: ``SCALEDMM_NVFP4_TRITON_AUTOTUNE=1`` benchmarks the
+candidate configs once per (op, M bucket, N, K, dtypes) outside CUDA-graph
+capture; ``SCALEDMM_NVFP4_TRITON_DECODE=triton`` forces the plain-Triton
+decoder on the GPU (a fallback should the PTX decoder misbehave).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from scaledmm import backends
+from scaledmm.backends import Backend, Family, Problem
+from scaledmm.ops import nvfp4 as nv
+
+FAMILY = Family.NVFP4
+NAME = "triton"
+BLOCK = nv.BLOCK  # elements per block scale
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------
+# 1. Capability checks
+# ----------------------------------------------------------------------------
+
+
+def is_supported(device: torch.device) -> tuple[bool, str]:
+    """CUDA with compute capability >= 8.0, or the CPU under ``TRITON_INTERPRET=1``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops.nvfp4_triton import is_supported
+    >>> is_supported(torch.device("meta"))[0]
+    False
+    """
+    if device.type == "cpu":
+        if interpreting():
+            return True, "Triton interpreter on the CPU (TRITON_INTERPRET=1)"
+        return False, "CPU runs need TRITON_INTERPRET=1 (the Triton interpreter)"
+    if device.type != "cuda":
+        return False, f"needs a CUDA device, got {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return False, f"needs sm80+ (bf16 tensor cores), device is sm{major}{minor}"
+    return True, f"Triton decode-in-registers kernels on sm{major}{minor}"
+
+
+def can_implement(p: Problem) -> tuple[bool, str]:
+    """Any M, any N, any K that is a multiple of 16 (the op's own rule).
+
+    The kernels mask every edge, so there is no alignment requirement; rows
+    whose byte stride is a multiple of 16 load faster (vectorized)."""
+    if p.k % BLOCK != 0:
+        return False, f"needs K % {BLOCK} == 0, got K={p.k}"
+    if p.n == 0:  # the quantizer
+        if p.in_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return False, f"quantizes bf16/fp16/fp32, got {p.in_dtype}"
+        return True, "any M, K % 16 == 0"
+    if p.out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False, f"writes bf16/fp16/fp32, got out_dtype={p.out_dtype}"
+    if p.opt("w4a16") and p.in_dtype not in (torch.bfloat16, torch.float16):
+        return False, f"W4A16 takes bf16/fp16 activations, got {p.in_dtype}"
+    return True, "any M and N, K % 16 == 0"
+
+
+# ----------------------------------------------------------------------------
+# 2. Quantizer: x -> (packed e2m1 codes, e4m3 block scales)
+# ----------------------------------------------------------------------------
+#
+# SPEC: s = e4m3(gs * amax / 6) saturating; code = RNE_e2m1(clamp(x * gs / s, -6, 6)).
+# The kernel computes s exactly like that (one fp32 division per block, an
+# exact integer e4m3 rounding), but finds the codes without dividing: with
+# y = fl(x * gs) and q = y / s the exact quotient, RNE(q) >= T holds iff
+# q >= T - ulp/2 (T's last bit is even, ties go to T) and RNE(q) > T iff
+# q > T + ulp/2.  For every e2m1 midpoint T (0.25, 0.75, ..., 5) the product
+# P = T * s is exact in fp32 (<= 7 significant bits) and the half-ulp term
+# (ulp(T)/2) * s lies strictly inside one fp32 ulp of P, so for fp32 y:
+#     RNE(y / s) >= T  <=>  y >= P           (inclusive midpoints 0.75, 1.75, 3.5)
+#     RNE(y / s) >  T  <=>  y >= nextup(P)   (strict midpoints 0.25, 1.25, 2.5, 5)
+# which is what fl(fl(x * gs) / s) followed by the threshold compare gives:
+# the codes are bit-identical to the division, with 3 compares per element.
+
+
+@triton.jit
+def _nextup(p):
+    """Next fp32 above a positive finite ``p``."""
+    return (p.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_round(v):
+    """Nearest-even e4m3 of ``v`` (>= 0, <= 448, or NaN): (code, value as fp32)."""
+    bits = v.to(tl.int32, bitcast=True)
+    # normal range (v >= 2**-6): keep 3 of the 23 mantissa bits, ties to even
+    r = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # ~0xFFFFF
+    code_n = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    val_n = r.to(tl.float32, bitcast=True)
+    # subnormal range: multiples of 2**-9, rounded with the 1.5 * 2**23 trick
+    q = (v * 512.0 + 12582912.0) - 12582912.0
+    code_s = q.to(tl.int32)
+    val_s = q * 0.001953125
+    small = v < 0.015625
+    code = tl.where(small, code_s, code_n)
+    val = tl.where(small, val_s, val_n)
+    nan = v != v
+    return tl.where(nan, 0x7F, code), tl.where(nan, v, val)
+
+
+@triton.jit
+def _quant_codes(y, g1, p2, g3, p4, g5, p6, g7, sign_mask):
+    """Codes of ``y = fl(x * gs)`` given the block's thresholds (binary search
+    over the 7 midpoints; see the comment above)."""
+    ay = tl.abs(y)
+    ge4 = ay >= p4
+    ge2 = ay >= tl.where(ge4, p6, p2)
+    ge1 = ay >= tl.where(ge2, tl.where(ge4, g7, g3), tl.where(ge4, g5, g1))
+    mag = tl.where(ge4, 4, 0) | tl.where(ge2, 2, 0) | tl.where(ge1, 1, 0)
+    code = mag | ((y.to(tl.int32, bitcast=True) >> 28) & sign_mask)
+    lo, hi = tl.split(tl.reshape(code, (code.shape[0], code.shape[1], code.shape[2] // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, gs_ptr, q_ptr, s_ptr, M, K, stride_xm, s_rows, s_cols, s_c4,
+                  SWIZZLE: tl.constexpr, HW_E4M3: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    G = K // 16
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    groups = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
+    rows3 = rows[:, None, None]
+    groups3 = groups[None, :, None]
+    inb = (rows3 < M) & (groups3 < G)
+    # each block of 16 as two halves of 8: a thread owns whole blocks, so the
+    # per-block work (scale, thresholds) is not repeated across threads
+    x_ptrs = x_ptr + rows3.to(tl.int64) * stride_xm + groups3 * 16 + tl.arange(0, 8)[None, None, :]
+    xa = tl.load(x_ptrs, mask=inb, other=0.0).to(tl.float32)
+    xb = tl.load(x_ptrs + 8, mask=inb, other=0.0).to(tl.float32)
+    gs = tl.load(gs_ptr).to(tl.float32)
+    # amax as an integer max of the |x| bit patterns: same order as the floats,
+    # and any NaN (above inf) wins, so NaN propagates to the block scale
+    amax = tl.maximum(tl.max(tl.abs(xa).to(tl.int32, bitcast=True), axis=2),
+                      tl.max(tl.abs(xb).to(tl.int32, bitcast=True), axis=2)).to(tl.float32, bitcast=True)
+    v = tl.div_rn(gs * amax, 6.0)                   # fl(fl(gs * amax) / 6)
+    v = tl.minimum(v, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    if HW_E4M3:  # sm89+: cvt.rn.satfinite.e4m3x2.f32 is exactly this rounding
+        s8 = v.to(tl.float8e4nv)
+        s_code = s8.to(tl.uint8, bitcast=True)
+        s = s8.to(tl.float32)
+    else:
+        s_code, s = _e4m3_round(v)
+    # thresholds: P = T * s (exact) for the inclusive midpoints, nextup(P) for
+    # the strict ones; s == 0 gives code 0 (infinite thresholds, no sign)
+    zero = s == 0
+    s = tl.where(zero, float("inf"), s)
+    g1 = _nextup(0.25 * s)[:, :, None]
+    p2 = (0.75 * s)[:, :, None]
+    g3 = _nextup(1.25 * s)[:, :, None]
+    p4 = (1.75 * s)[:, :, None]
+    g5 = _nextup(2.5 * s)[:, :, None]
+    p6 = (3.5 * s)[:, :, None]
+    g7 = _nextup(5.0 * s)[:, :, None]
+    sign_mask = tl.where(zero, 0, 8)[:, :, None]
+    qa = _quant_codes(xa * gs, g1, p2, g3, p4, g5, p6, g7, sign_mask)
+    qb = _quant_codes(xb * gs, g1, p2, g3, p4, g5, p6, g7, sign_mask)
+    q_ptrs = q_ptr + rows3.to(tl.int64) * (K // 2) + groups3 * 8 + tl.arange(0, 4)[None, None, :]
+    tl.store(q_ptrs, qa, mask=inb)
+    tl.store(q_ptrs + 4, qb, mask=inb)
+    # block scales; rows >= M and groups >= G of the padded layout get zeros
+    r2 = rows[:, None]
+    g2 = groups[None, :]
+    if SWIZZLE:
+        s_off = ((r2 // 128) * s_c4 + g2 // 4) * 512 + (r2 % 32) * 16 + ((r2 % 128) // 32) * 4 + g2 % 4
+    else:
+        s_off = r2 * s_cols + g2
+    tl.store(s_ptr + s_off.to(tl.int64), s_code.to(tl.uint8), mask=(r2 < s_rows) & (g2 < s_cols))
+
+
+QUANT_BLOCK_M = 32
+QUANT_BLOCK_G = 8
+
+
+def _hw_e4m3(device: torch.device) -> bool:
+    """Use the hardware fp32 -> e4m3 conversion (sm89+, round-to-nearest-even,
+    saturating); elsewhere (sm80, the interpreter) the exact integer rounding."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quant(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``nvfp4_quant`` in one Triton launch (also writes the layout's pad zeros).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops import nvfp4_triton as nt
+    >>> x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)   # doctest: +SKIP
+    >>> q, s = nt.quant(x, torch.tensor(100.0, device="cuda"))        # doctest: +SKIP
+    >>> q.shape, s.shape                                              # doctest: +SKIP
+    (torch.Size([3, 32]), torch.Size([128, 4]))
+    """
+    q, s = nv.quant_outputs(x, global_scale, swizzle)
+    m, k = x.shape
+    s_rows, s_cols = s.shape
+    if s_rows == 0:
+        return q, s
+    grid = (triton.cdiv(s_rows, QUANT_BLOCK_M), triton.cdiv(s_cols, QUANT_BLOCK_G))
+    _quant_kernel[grid](x, global_scale, q, s.view(torch.uint8), m, k, x.stride(0),
+                        s_rows, s_cols, s_cols // 4, SWIZZLE=bool(swizzle),
+                        HW_E4M3=_hw_e4m3(x.device),
+                        BLOCK_M=QUANT_BLOCK_M, BLOCK_G=QUANT_BLOCK_G, num_warps=4)
+    return q, s
+
+
+# ----------------------------------------------------------------------------
+# 3. e2m1 decoders
+# ----------------------------------------------------------------------------
+#
+# Both take packed bytes ``[R, C]`` and a per-byte scale ``[R, C]`` (the block
+# scale broadcast over its 8 bytes) and return the values of the low and the
+# high nibbles ``(lo, hi)``, each ``[R, C]``; ``tl.interleave(lo, hi)`` is the
+# decoded ``[R, 2C]`` row in K order.
+#
+# Trick shared by both: the fp16 bit pattern ``sign << 15 | mag << 9`` of a
+# code (mag = its 3-bit magnitude index) is exactly ``e2m1(code) * 2**-14``:
+# the exponent field holds e2m1's exponent and the top mantissa bit its
+# mantissa, and e2m1's subnormal 0.5 lands on fp16's subnormal 2**-15.
+
+
+@triton.jit
+def _decode_triton(packed, scale, DTYPE: tl.constexpr):
+    """Plain Triton: ``scale`` is fp32 ``s * 2**14``; returns exact ``e2m1 * s``."""
+    b = packed.to(tl.uint16)
+    lo = ((b & 0x8) << 12) | ((b & 0x7) << 9)
+    hi = ((b & 0x80) << 8) | ((b & 0x70) << 5)
+    lo = lo.to(tl.float16, bitcast=True).to(tl.float32) * scale
+    hi = hi.to(tl.float16, bitcast=True).to(tl.float32) * scale
+    return lo.to(DTYPE), hi.to(DTYPE)
+
+
+# PTX, 4 packed bytes (8 codes) per call.  $4 = bytes b0..b3, $5/$6 = fp16x2
+# scales of bytes (0, 1) / (2, 3); $0/$1 = fp16x2 values of the low nibbles of
+# bytes (0, 1) / (2, 3), $2/$3 the high nibbles.  Per pair of codes: prmt moves
+# the two nibbles to bits 12-15 and 28-31 (sign at 15/31), shr puts the
+# magnitudes at 9-11/25-27, lop3 keeps ((t | y) & 0x8E008E00), and one
+# mul.rn.f16x2 applies the block scale: e2m1 * s * 2**-14, exact in fp16
+# (subnormals included; the 2**-14 is folded into the epilogue).
+_PTX_PAIR = """
+    prmt.b32 y, {src}, 0, {sel};
+    shr.b32 t, y, 3;
+    lop3.b32 r, t, y, 0x8E008E00, 0xA8;
+    mul.rn.f16x2 {dst}, r, {scale};"""
+
+_PTX_F16 = ("{\n.reg .b32 wh, wl, y, t, r;\n"
+            "and.b32 wh, $4, 0xF0F0F0F0;\n"
+            "shl.b32 wl, $4, 4;\n"
+            "and.b32 wl, wl, 0xF0F0F0F0;"
+            + _PTX_PAIR.format(src="wl", sel="0x1404", dst="$0", scale="$5")
+            + _PTX_PAIR.format(src="wl", sel="0x3424", dst="$1", scale="$6")
+            + _PTX_PAIR.format(src="wh", sel="0x1404", dst="$2", scale="$5")
+            + _PTX_PAIR.format(src="wh", sel="0x3424", dst="$3", scale="$6")
+            + "\n}")
+
+# bf16: the exact fp16 product goes through fp32 (cvt.f32.f16 is exact, also
+# for fp16 subnormals) into a bf16 pair.
+_PTX_TO_BF16 = """
+    mov.b32 {{h0, h1}}, {reg};
+    cvt.f32.f16 f0, h0;
+    cvt.f32.f16 f1, h1;
+    cvt.rn.bf16x2.f32 {reg}, f1, f0;"""
+
+_PTX_BF16 = ("{\n.reg .b32 wh, wl, y, t, r;\n.reg .b16 h0, h1;\n.reg .f32 f0, f1;\n"
+             "and.b32 wh, $4, 0xF0F0F0F0;\n"
+             "shl.b32 wl, $4, 4;\n"
+             "and.b32 wl, wl, 0xF0F0F0F0;"
+             + _PTX_PAIR.format(src="wl", sel="0x1404", dst="$0", scale="$5")
+             + _PTX_PAIR.format(src="wl", sel="0x3424", dst="$1", scale="$6")
+             + _PTX_PAIR.format(src="wh", sel="0x1404", dst="$2", scale="$5")
+             + _PTX_PAIR.format(src="wh", sel="0x3424", dst="$3", scale="$6")
+             + "".join(_PTX_TO_BF16.format(reg=f"${i}") for i in range(4))
+             + "\n}")
+
+
+@triton.jit
+def _decode_ptx(packed, scale, DTYPE: tl.constexpr):
+    """Inline PTX: ``scale`` is fp16 ``s``; returns exact ``e2m1 * s * 2**-14``."""
+    if DTYPE == tl.bfloat16:
+        lo, hi = tl.inline_asm_elementwise(_PTX_BF16, "=r,=r,=r,=r,r,r,r", [packed, scale],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(_PTX_F16, "=r,=r,=r,=r,r,r,r", [packed, scale],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
+def _load_fp4_tile(q_ptr, s_ptr, rows, R, row_stride, row_bytes, s_c4, kt,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   PTX: tl.constexpr, DTYPE: tl.constexpr):
+    """Decoded ``[BLOCK_R, BLOCK_K]`` tile (K-tile ``kt``) of a packed operand
+    (``row_bytes = K / 2`` bytes per row, rows ``row_stride`` bytes apart) with
+    swizzled scales; rows >= R and columns >= K read as zeros."""
+    KB: tl.constexpr = BLOCK_K // 2
+    KG: tl.constexpr = BLOCK_K // 16
+    cb = kt * KB + tl.arange(0, KB)
+    rmask = rows < R
+    if EVEN_K:
+        bmask = rmask[:, None]
+    else:
+        bmask = rmask[:, None] & (cb < row_bytes)[None, :]
+    packed = tl.load(q_ptr + rows[:, None].to(tl.int64) * row_stride + cb[None, :], mask=bmask, other=0)
+    # scale columns kt*KG .. kt*KG + KG - 1, as KG/4 runs of 4 contiguous bytes
+    g = tl.arange(0, KG // 4)
+    j = tl.arange(0, 4)
+    row_off = (rows // 128) * (s_c4 * 512) + (rows % 32) * 16 + ((rows % 128) // 32) * 4
+    col_off = (kt * (KG // 4) + g) * 512
+    s_ptrs = s_ptr + row_off[:, None, None] + col_off[None, :, None] + j[None, None, :]
+    smask = rmask[:, None, None]
+    if not EVEN_K:
+        smask = smask & (((kt * (KG // 4) + g) * 4)[None, :, None] + j[None, None, :] < row_bytes // 8)
+    sc = tl.load(s_ptrs, mask=smask, other=0).to(tl.float8e4nv, bitcast=True)
+    sc = tl.reshape(sc, (BLOCK_R, KG))
+    if PTX:
+        sc = sc.to(tl.float16)
+    else:
+        sc = sc.to(tl.float32) * 16384.0
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_R, KG, 8)), (BLOCK_R, KB))
+    if PTX:
+        lo, hi = _decode_ptx(packed, sc, DTYPE)
+    else:
+        lo, hi = _decode_triton(packed, sc, DTYPE)
+    return tl.interleave(lo, hi)
+
+
+# ----------------------------------------------------------------------------
+# 4. GEMM configs
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One point of the GEMM config space.
+
+    The kernel computes ``out.T`` tiles: ``block_n`` weight rows (the MMA's M
+    side, decoded in registers) by ``block_m`` activation rows (the MMA's N
+    side), ``block_k`` elements of K per step.
+
+    Parameters
+    ----------
+    block_n, block_m, block_k : int
+        Tile sizes (powers of two; ``block_n, block_m >= 16``, ``block_k >= 64``).
+    split_k : int
+        Programs sharing one output tile along K; the last one to finish adds
+        the fp32 partials in a fixed order (deterministic) and writes the tile.
+    num_warps, num_stages : int
+        Triton launch parameters.
+    group_n : int
+        Weight tiles per raster group (L2 reuse when there are many M tiles).
+    ptx_decode : bool
+        Inline-PTX decoder (GPU only) instead of the plain Triton one.
+    predecode_x : bool
+        W4A4 only: decode the activation to fp16 once (its own launch), then
+        run the W4A16 kernel; pays off when many weight tiles reuse it.
+    """
+
+    block_n: int
+    block_m: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    group_n: int = 8
+    ptx_decode: bool = True
+    predecode_x: bool = False
+
+    def label(self) -> str:
+        flags = ("ptx" if self.ptx_decode else "tt") + ("+pre" if self.predecode_x else "")
+        return (f"n{self.block_n}m{self.block_m}k{self.block_k}s{self.split_k}"
+                f"w{self.num_warps}st{self.num_stages}{flags}")
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+SMEM_BYTES = 220 * 1024  # usable shared memory per block on sm90 (sm80: 163 KB)
+
+
+def smem_estimate(cfg: GemmConfig, w4a16: bool) -> int:
+    """Shared memory of the software pipeline: packed weights + scales per
+    stage, the activation tile per stage (dense) or packed, and one decoded
+    weight tile."""
+    x_fp4 = not (w4a16 or cfg.predecode_x)
+    w_stage = cfg.block_n * cfg.block_k // 2 + cfg.block_n * cfg.block_k // 16
+    x_stage = (cfg.block_m * (cfg.block_k // 2 + cfg.block_k // 16) if x_fp4
+               else cfg.block_m * cfg.block_k * 2)
+    return cfg.num_stages * (w_stage + x_stage) + 2 * cfg.block_k * (cfg.block_n + cfg.block_m)
+
+
+def config_ok(cfg: GemmConfig, p: Problem, device: torch.device | None = None) -> tuple[bool, str]:
+    """The one validity predicate of the config space (dispatch, autotune and
+    tests all use it)."""
+    w4a16 = bool(p.opt("w4a16"))
+    dev = device if device is not None else p.device
+    if not all(_pow2(v) for v in (cfg.block_n, cfg.block_m, cfg.block_k, cfg.num_warps)):
+        return False, "block sizes and num_warps must be powers of two"
+    if cfg.block_n < 16 or cfg.block_m < 16 or cfg.block_k < 64:
+        return False, "needs block_n >= 16, block_m >= 16, block_k >= 64"
+    if cfg.block_n > 256 or cfg.block_m > 256 or cfg.block_k > 512:
+        return False, "needs block_n, block_m <= 256 and block_k <= 512"
+    if cfg.split_k < 1 or cfg.split_k > max(1, triton.cdiv(p.k, cfg.block_k)):
+        return False, f"split_k must be in [1, cdiv(K, block_k)], got {cfg.split_k}"
+    if cfg.num_stages < 1 or cfg.group_n < 1:
+        return False, "num_stages and group_n must be >= 1"
+    if cfg.predecode_x and w4a16:
+        return False, "predecode_x applies to W4A4 only"
+    if cfg.ptx_decode and dev.type != "cuda":
+        return False, "the PTX decoder needs a CUDA device"
+    if dev.type == "cuda" and smem_estimate(cfg, w4a16) > SMEM_BYTES:
+        return False, f"needs about {smem_estimate(cfg, w4a16)} bytes of shared memory"
+    return True, "ok"
+
+
+def m_bucket(m: int) -> int:
+    """Index of M's bucket: 1-16, 17-64, 65-256, > 256."""
+    return 0 if m <= 16 else 1 if m <= 64 else 2 if m <= 256 else 3
+
+
+# Fixed defaults per M bucket (no autotuning inside CUDA-graph capture).
+# Small M streams the weight: small block_m, long K steps, deep pipeline.
+DEFAULT_CONFIGS: dict[int, GemmConfig] = {
+    0: GemmConfig(block_n=64, block_m=16, block_k=256, num_warps=4, num_stages=4),
+    1: GemmConfig(block_n=64, block_m=64, block_k=128, num_warps=4, num_stages=4),
+    2: GemmConfig(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=3),
+    3: GemmConfig(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=3),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_for(cfg: GemmConfig, m: int, n: int, k: int, device: torch.device) -> int:
+    """Deterministic split-K for a default config: fill about one wave of SMs
+    when the output has few tiles and K is long."""
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(max(m, 1), cfg.block_m)
+    steps = triton.cdiv(k, cfg.block_k)
+    split = 1
+    while tiles * split * 2 <= _sm_count(device) and steps // (split * 2) >= 4 and split < 8:
+        split *= 2
+    return split
+
+
+def _portable(cfg: GemmConfig, p: Problem) -> GemmConfig:
+    """Drop what the device cannot run (PTX off the GPU or when disabled)."""
+    ptx = p.device.type == "cuda" and os.environ.get("SCALEDMM_NVFP4_TRITON_DECODE", "ptx") != "triton"
+    return dataclasses.replace(cfg, ptx_decode=cfg.ptx_decode and ptx)
+
+
+def default_config(p: Problem) -> GemmConfig:
+    """The fixed config of ``p``'s M bucket, with a deterministic split-K."""
+    cfg = _portable(DEFAULT_CONFIGS[m_bucket(p.m)], p)
+    cfg = dataclasses.replace(cfg, split_k=_split_for(cfg, p.m, p.n, p.k, p.device))
+    ok, why = config_ok(cfg, p)
+    if not ok:  # keep dispatch total: fall back to the smallest config
+        cfg = _portable(DEFAULT_CONFIGS[0], p)
+    return cfg
+
+
+def candidate_configs(p: Problem) -> list[GemmConfig]:
+    """The configs autotuning tries for ``p`` (all valid under :func:`config_ok`)."""
+    b = m_bucket(p.m)
+    bm = (16, 32, 64, 128, 256)[min(b + (1 if b else 0), 4)] if b else 16
+    out = []
+    for bn, bk, w, st in ((64, 256, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3), (64, 128, 4, 5),
+                          (128, 64, 8, 4), (32, 512, 4, 3), (256, 64, 8, 3)):
+        for split in sorted({1, _split_for(GemmConfig(bn, bm, bk), p.m, p.n, p.k, p.device)}):
+            out.append(_portable(GemmConfig(bn, bm, bk, split, w, st), p))
+    if not p.opt("w4a16") and b >= 2:
+        out += [dataclasses.replace(c, predecode_x=True) for c in list(out)]
+    uniq = list(dict.fromkeys(out))
+    return [c for c in uniq if config_ok(c, p)[0]]
+
+
+_TUNED: dict[tuple, GemmConfig] = {}
+
+
+def _autotune_key(op: str, p: Problem) -> tuple:
+    return (op, m_bucket(p.m), p.n, p.k, p.in_dtype, p.out_dtype, p.device)
+
+
+def select_config(op: str, p: Problem, bench: Callable[[GemmConfig], float] | None = None) -> GemmConfig:
+    """Config for one call: a tuned one when ``SCALEDMM_NVFP4_TRITON_AUTOTUNE=1``
+    (tuned on first use outside CUDA-graph capture), else the bucket default."""
+    key = _autotune_key(op, p)
+    if key in _TUNED:
+        return _TUNED[key]
+    tune = os.environ.get("SCALEDMM_NVFP4_TRITON_AUTOTUNE", "0") not in ("", "0")
+    if (not tune or bench is None or p.device.type != "cuda"
+            or torch.cuda.is_current_stream_capturing()):
+        return default_config(p)
+    timings = []
+    for cfg in candidate_configs(p):
+        try:
+            timings.append((bench(cfg), cfg.label(), cfg))
+        except Exception:  # a config that fails to compile (resources) is skipped
+            continue
+    best = min(timings)[2] if timings else default_config(p)
+    _TUNED[key] = best
+    return best
+
+
+def _time_us(fn: Callable[[], object], reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+# ----------------------------------------------------------------------------
+# 5. GEMM kernel: out[m, n] = alpha * sum_k x[m, k] * w[n, k] (+ bias[n])
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemm_kernel(w_ptr, ws_ptr, x_ptr, xs_ptr, out_ptr, bias_ptr, alpha_ptr, part_ptr, lock_ptr,
+                 M, N, K, stride_xm, stride_om, ws_c4, xs_c4, fold,
+                 X_FP4: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr,
+                 PTX: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, GROUP_N: tl.constexpr):
+    # raster: groups of GROUP_N weight tiles, all M tiles of a group in turn
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_N * num_m
+    first_n = (pid // per_group) * GROUP_N
+    group = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group
+    pid_m = (pid % per_group) // group
+
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kt in range(kt0, kt1):
+        w = _load_fp4_tile(w_ptr, ws_ptr, rn, N, K // 2, K // 2, ws_c4, kt, BLOCK_N, BLOCK_K, EVEN_K,
+                           PTX, DTYPE)
+        if X_FP4:
+            x = _load_fp4_tile(x_ptr, xs_ptr, rm, M, stride_xm, K // 2, xs_c4, kt, BLOCK_M, BLOCK_K,
+                               EVEN_K, PTX, DTYPE)
+        else:
+            rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                xmask = (rm < M)[:, None]
+            else:
+                xmask = (rm < M)[:, None] & (rk < K)[None, :]
+            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=xmask, other=0.0)
+            x = x.to(DTYPE)
+        acc = tl.dot(w, tl.trans(x), acc)
+
+    o_off = rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+    o_mask = (rm < M)[None, :] & (rn < N)[:, None]
+    if SPLIT_K > 1:
+        # deterministic split-K: partials to a workspace, the last program of
+        # the tile (release/acquire counter) adds them in split order
+        tile_elems = M.to(tl.int64) * N
+        p_off = rm[None, :].to(tl.int64) * N + rn[:, None]
+        tl.store(part_ptr + pid_k * tile_elems + p_off, acc, mask=o_mask)
+        tl.debug_barrier()
+        count = tl.atomic_add(lock_ptr + pid_n * num_m + pid_m, 1, sem="acq_rel", scope="gpu")
+        if count == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(part_ptr + s * tile_elems + p_off, mask=o_mask, other=0.0,
+                               cache_modifier=".cg")
+            _epilogue(acc, out_ptr, o_off, o_mask, rn, N, bias_ptr, alpha_ptr, fold, HAS_BIAS)
+    else:
+        _epilogue(acc, out_ptr, o_off, o_mask, rn, N, bias_ptr, alpha_ptr, fold, HAS_BIAS)
+
+
+@triton.jit
+def _epilogue(acc, out_ptr, o_off, o_mask, rn, N, bias_ptr, alpha_ptr, fold, HAS_BIAS: tl.constexpr):
+    """``alpha * acc (+ bias)`` in fp32, one rounding to the output dtype.
+    ``fold`` (a power of two) undoes the decoders' scaling exactly."""
+    alpha = tl.load(alpha_ptr).to(tl.float32) * fold
+    out = acc * alpha
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, out_ptr, M, K, stride_qm, s_c4,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Exact fp16 decode of a packed operand (the ``predecode_x`` path)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kt = tl.program_id(1)
+    x = _load_fp4_tile(q_ptr, s_ptr, rows, M, stride_qm, K // 2, s_c4, kt, BLOCK_M, BLOCK_K, False,
+                       False, tl.float16)
+    rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], x,
+             mask=(rows < M)[:, None] & (rk < K)[None, :])
+
+
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def dequant_fp16(q: torch.Tensor, s: torch.Tensor, k_row_bytes: int | None = None) -> torch.Tensor:
+    """fp16 ``[R, K]`` values ``e2m1 * s`` (exact) of packed ``q`` with swizzled ``s``."""
+    rows, k = q.shape[0], 2 * q.shape[1]
+    out = torch.empty((rows, k), dtype=torch.float16, device=q.device)
+    if rows == 0:
+        return out
+    bm, bk = 32, 256
+    _dequant_kernel[(triton.cdiv(rows, bm), triton.cdiv(k, bk))](
+        q, s.view(torch.uint8), out, rows, k, q.stride(0), s.shape[1] // 4, BLOCK_M=bm, BLOCK_K=bk)
+    return out
+
+
+def _launch(w, w_s, x, x_s, alpha, bias, out_dtype, cfg: GemmConfig, x_fp4: bool) -> torch.Tensor:
+    """One GEMM launch (plus the split-K workspace); ``x`` is packed when ``x_fp4``."""
+    m = x.shape[0]
+    n = w.shape[0]
+    k = 2 * w.shape[1]
+    out = torch.empty((m, n), dtype=out_dtype, device=w.device)
+    if m == 0:
+        return out
+    if x_fp4:
+        dtype = torch.float16  # exact for e2m1 * e4m3 on both sides
+    else:
+        dtype = x.dtype
+    if interpreting():
+        dtype = torch.float32  # numpy's matmul has no bf16; fp32 products are exact too
+    fold = 1.0
+    if cfg.ptx_decode:
+        fold = 2.0 ** 28 if x_fp4 else 2.0 ** 14
+    split = cfg.split_k
+    num_m = triton.cdiv(m, cfg.block_m)
+    num_n = triton.cdiv(n, cfg.block_n)
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=w.device)
+        lock = torch.zeros((num_n * num_m,), dtype=torch.int32, device=w.device)
+    else:
+        part = lock = out  # unused
+    _gemm_kernel[(num_n * num_m, split)](
+        w, w_s.view(torch.uint8), x, x_s.view(torch.uint8) if x_fp4 else x, out,
+        bias if bias is not None else out, alpha, part, lock,
+        m, n, k, x.stride(0), out.stride(0), w_s.shape[1] // 4,
+        x_s.shape[1] // 4 if x_fp4 else 0, fold,
+        X_FP4=x_fp4, HAS_BIAS=bias is not None, DTYPE=_TL_DTYPE[dtype], PTX=cfg.ptx_decode,
+        EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_k, SPLIT_K=split, GROUP_N=cfg.group_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def run_mm(a, b, a_scales, b_scales, alpha, out_dtype, bias, cfg: GemmConfig) -> torch.Tensor:
+    """``nvfp4_mm`` with an explicit config (benchmarks and tests)."""
+    if cfg.predecode_x:
+        xa = dequant_fp16(a, a_scales)
+        return _launch(b, b_scales, xa, None, alpha, bias, out_dtype, cfg, x_fp4=False)
+    return _launch(b, b_scales, a, a_scales, alpha, bias, out_dtype, cfg, x_fp4=True)
+
+
+def run_w4a16(x, b, b_scales, weight_alpha, out_dtype, bias, cfg: GemmConfig) -> torch.Tensor:
+    """``nvfp4_w4a16_mm`` with an explicit config (benchmarks and tests)."""
+    return _launch(b, b_scales, x, None, weight_alpha, bias, out_dtype, cfg, x_fp4=False)
+
+
+# ----------------------------------------------------------------------------
+# 6. Backend registration and public functions
+# ----------------------------------------------------------------------------
+
+
+def mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None):
+    """``nvfp4_mm`` on the Triton kernel: ``alpha * (deq(a) @ deq(b).T) (+ bias)``.
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)    # doctest: +SKIP
+    >>> w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> one = torch.tensor(1.0, device="cuda")                          # doctest: +SKIP
+    >>> qa, sa = torch.ops.scaledmm.nvfp4_quant(x, one)                 # doctest: +SKIP
+    >>> qb, sb = torch.ops.scaledmm.nvfp4_quant(w, one)                 # doctest: +SKIP
+    >>> with scaledmm.use_backend("nvfp4", "triton"):                   # doctest: +SKIP
+    ...     out = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, one)
+    """
+    p = nv.mm_problem(a, b, out_dtype, bias)
+    cfg = select_config("nvfp4_mm", p, lambda c: _time_us(
+        lambda: run_mm(a, b, a_scales, b_scales, alpha, out_dtype, bias, c)))
+    return run_mm(a, b, a_scales, b_scales, alpha, out_dtype, bias, cfg)
+
+
+def w4a16_mm(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None):
+    """``nvfp4_w4a16_mm`` on the Triton kernel: ``x @ (weight_alpha * deq(b)).T (+ bias)``.
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)    # doctest: +SKIP
+    >>> qb, sb = torch.ops.scaledmm.nvfp4_quant(x, torch.tensor(1.0, device="cuda"))  # doctest: +SKIP
+    >>> with scaledmm.use_backend("nvfp4", "triton"):                   # doctest: +SKIP
+    ...     out = torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, torch.tensor(1.0, device="cuda"))
+    """
+    p = nv.w4a16_problem(x, b, out_dtype, bias)
+    cfg = select_config("nvfp4_w4a16_mm", p, lambda c: _time_us(
+        lambda: run_w4a16(x, b, b_scales, weight_alpha, out_dtype, bias, c)))
+    return run_w4a16(x, b, b_scales, weight_alpha, out_dtype, bias, cfg)
+
+
+backends.register(Backend(
+    FAMILY, NAME,
+    impls={"nvfp4_quant": quant, "nvfp4_mm": mm, "nvfp4_w4a16_mm": w4a16_mm},
+    is_supported=is_supported,
+    can_implement=can_implement,
+    description="Triton: exact FP4 decode in registers + fp16/bf16 tensor cores (sm80+, Hopper)",
+))

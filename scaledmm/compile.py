@@ -1,0 +1,327 @@
+"""Inductor integration: one post-grad ``CustomGraphPass`` for graphs that use
+scaledmm ops.
+
+Use it as::
+
+    model = torch.compile(model, dynamic=True,
+                          options={"post_grad_custom_post_pass": scaledmm.compile.passes()})
+
+It rewrites, in this order:
+
+1. **Size-predicated conds -> opaque ops.**  ``scaledmm.fp8_block_mm`` and
+   ``scaledmm.skinny_linear`` trace to ``torch.cond(M % 4 != 0, padded, direct)``
+   and ``torch.cond(M <= 16, fused_a, linear)`` when M is dynamic.  Inductor
+   disables CUDA graphs for any graph holding a ``torch.cond``, although these
+   predicates depend on sizes alone.  The pass replaces them with
+   ``dynamic_padded_fp8_block_mm`` and ``dynamic_skinny_linear``, which make the
+   same choice at run time, so Inductor keeps CUDA graphs.
+2. **Quantize + GEMM -> ``fp8_block_linear``.**  ``per_token_group_quant_fp8``
+   (default eps, no ue8m0) whose two outputs only feed one fp8_block GEMM with
+   the same group size becomes one ``fp8_block_linear`` on the bf16/fp16 input.
+3. **NVFP4 epilogues -> ``nvfp4_mm`` arguments.**  ``nvfp4_mm(...)`` followed by
+   a multiply with a one-element tensor and/or an add of an ``[N]`` bias (with
+   optional dtype conversions around them) becomes one ``nvfp4_mm`` whose
+   ``alpha`` is the product and whose ``bias`` is the bias, rounded once.
+
+Each rewrite checks the exact shape of the pattern and leaves anything else
+alone.  ``uuid()`` hashes this file, so the FX graph cache keeps working and is
+invalidated when the pass changes.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+__all__ = ["ScaledMMPass", "passes"]
+
+_ops = torch.ops.scaledmm
+_aten = torch.ops.aten
+
+
+def _is(node: Any, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _val(x: Any) -> Any:
+    return x.meta.get("val") if isinstance(x, fx.Node) else x
+
+
+def _set_meta(node: fx.Node) -> None:
+    """Fill ``node.meta['val']`` by running the op's fake under the graph's fake mode."""
+    from torch._guards import detect_fake_mode
+
+    args = fx.node.map_arg(node.args, _val)
+    kwargs = fx.node.map_arg(node.kwargs, _val)
+    vals = [v for v in fx.node.map_aggregate((args, kwargs), lambda v: v) if isinstance(v, torch.Tensor)]
+    mode = detect_fake_mode(vals)
+    if mode is None:
+        return
+    with mode:
+        node.meta["val"] = node.target(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# 1. conds on sizes -> dynamic ops
+# ----------------------------------------------------------------------------
+
+
+def _single_op(gm: fx.GraphModule) -> fx.Node | None:
+    """The one scaledmm call of a cond branch whose output is that call."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    ours = [n for n in calls if str(n.target).startswith("scaledmm.")]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    if len(ours) != 1:
+        return None
+    res = out.args[0]
+    res = res[0] if isinstance(res, (tuple, list)) and len(res) == 1 else res
+    return ours[0] if res is ours[0] else None
+
+
+def _map_to_outer(inner: fx.Node, branch: fx.GraphModule, operands) -> tuple[tuple, dict] | None:
+    placeholders = [n for n in branch.graph.nodes if n.op == "placeholder"]
+    index = {p: i for i, p in enumerate(placeholders)}
+    ok = True
+
+    def outer(a):
+        nonlocal ok
+        if isinstance(a, fx.Node):
+            if a not in index:
+                ok = False
+                return a
+            return operands[index[a]]
+        return a
+
+    args = fx.node.map_arg(inner.args, outer)
+    kwargs = fx.node.map_arg(inner.kwargs, outer)
+    return (args, kwargs) if ok else None
+
+
+def _pred_is(pred: Any, kind: str) -> bool:
+    if kind == "align":  # (M % 4) != 0
+        return (_is(pred, operator.ne) and pred.args[1] == 0 and _is(pred.args[0], operator.mod)
+                and pred.args[0].args[1] == 4)
+    if kind == "skinny":  # M <= 16
+        return _is(pred, operator.le) and pred.args[1] == 16
+    return False
+
+
+def _replace_cond(graph: fx.Graph, cond: fx.Node, target, args, kwargs) -> None:
+    with graph.inserting_before(cond):
+        new = graph.call_function(target, args, kwargs)
+    _set_meta(new)
+    for user in list(cond.users):
+        if _is(user, operator.getitem) and user.args[1] == 0:
+            user.replace_all_uses_with(new)
+            graph.erase_node(user)
+    if not cond.users:
+        graph.erase_node(cond)
+
+
+def lower_size_conds(gm: fx.GraphModule) -> int:
+    """Rewrite our size-predicated ``torch.cond`` nodes into dynamic ops."""
+    graph = gm.graph
+    count = 0
+    for cond in list(graph.nodes):
+        if not _is(cond, torch.ops.higher_order.cond):
+            continue
+        pred, t_attr, f_attr, operands = cond.args[:4]
+        if not (t_attr.op == "get_attr" and f_attr.op == "get_attr"):
+            continue
+        t_gm, f_gm = getattr(gm, t_attr.target), getattr(gm, f_attr.target)
+        t_op = _single_op(t_gm)
+        f_op = _single_op(f_gm)
+        if (_pred_is(pred, "align") and t_op is not None and f_op is not None
+                and t_op.target == _ops.padded_fp8_block_mm.default
+                and f_op.target == _ops.fp8_block_mm.default):
+            mapped = _map_to_outer(f_op, f_gm, operands)
+            if mapped is None:
+                continue
+            _replace_cond(graph, cond, _ops.dynamic_padded_fp8_block_mm.default, *mapped)
+            count += 1
+        elif (_pred_is(pred, "skinny") and t_op is not None
+              and t_op.target == _ops.dsv3_fused_a_gemm.default and f_op is None):
+            mapped = _map_to_outer(t_op, t_gm, operands)
+            if mapped is None:
+                continue
+            args, kwargs = mapped
+            _replace_cond(graph, cond, _ops.dynamic_skinny_linear.default, args[:2], {})
+            count += 1
+    if count:
+        graph.eliminate_dead_code()
+        for name, mod in list(gm.named_children()):
+            if isinstance(mod, fx.GraphModule) and not any(
+                    n.op == "get_attr" and n.target == name for n in graph.nodes):
+                delattr(gm, name)
+    return count
+
+
+# ----------------------------------------------------------------------------
+# 2. per_token_group_quant_fp8 -> fp8_block GEMM  ==>  fp8_block_linear
+# ----------------------------------------------------------------------------
+
+def _block_gemms():
+    return (_ops.fp8_block_mm.default, _ops.padded_fp8_block_mm.default,
+            _ops.dynamic_padded_fp8_block_mm.default)
+
+
+def _arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def fuse_quant_into_gemm(graph: fx.Graph) -> int:
+    count = 0
+    for quant in list(graph.nodes):
+        if not _is(quant, _ops.per_token_group_quant_fp8.default):
+            continue
+        x = quant.args[0] if quant.args else quant.kwargs["x"]
+        group = _arg(quant, 1, "group_size", 128)
+        eps = _arg(quant, 2, "eps", 1e-10)
+        ue8m0 = _arg(quant, 4, "scale_ue8m0", False)
+        xv = _val(x)
+        if ue8m0 or eps != 1e-10 or xv is None or xv.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        getters = list(quant.users)
+        if len(getters) != 2 or not all(_is(g, operator.getitem) for g in getters):
+            continue
+        q = next((g for g in getters if g.args[1] == 0), None)
+        s = next((g for g in getters if g.args[1] == 1), None)
+        if q is None or s is None or len(q.users) != 1 or len(s.users) != 1:
+            continue
+        gemm = next(iter(q.users))
+        if gemm is not next(iter(s.users)) or not _is(gemm, *_block_gemms()):
+            continue
+        if len(gemm.args) < 4 or gemm.args[0] is not q or gemm.args[2] is not s:
+            continue
+        block = list(_arg(gemm, 4, "block_size", [128, 128]))
+        out_dtype = _arg(gemm, 5, "out_dtype", torch.bfloat16)
+        if len(block) != 2 or block[1] != group or out_dtype not in (torch.bfloat16, torch.float16):
+            continue
+        with graph.inserting_before(gemm):
+            new = graph.call_function(_ops.fp8_block_linear.default,
+                                      (x, gemm.args[1], gemm.args[3], block, out_dtype, None))
+        _set_meta(new)
+        gemm.replace_all_uses_with(new)
+        for n in (gemm, q, s, quant):
+            graph.erase_node(n)
+        count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------
+# 3. nvfp4_mm(...) [* alpha] [+ bias]  ==>  nvfp4_mm(alpha', bias')
+# ----------------------------------------------------------------------------
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _is_convert(n: fx.Node) -> bool:
+    return _is(n, torch.ops.prims.convert_element_type.default, _aten._to_copy.default)
+
+
+def _other(user: fx.Node, node: fx.Node) -> Any:
+    return user.args[1] if user.args[0] is node else user.args[0]
+
+
+def fold_nvfp4_epilogue(graph: fx.Graph) -> int:
+    """Fold ``* alpha`` (one-element fp32 tensors) and then ``+ bias`` ([N]),
+    with dtype conversions between them, into the ``nvfp4_mm`` that feeds
+    them.  The fused op rounds once, to the dtype of the chain's last node: the
+    result equals the unfused chain up to the roundings it removes."""
+    count = 0
+    for mm in list(graph.nodes):
+        if not _is(mm, _ops.nvfp4_mm.default):
+            continue
+        args = list(mm.args) + [None] * (7 - len(mm.args))
+        a, b, sa, sb, alpha = args[:5]
+        bias = mm.kwargs.get("bias", args[6])
+        mv = _val(mm)
+        if mv is None or mv.dim() != 2:
+            continue
+        alphas: list[Any] = []
+        new_bias, node, last = bias, mm, None
+        while len(node.users) == 1:
+            user = next(iter(node.users))
+            uv = _val(user)
+            if not isinstance(uv, torch.Tensor) or uv.shape != mv.shape or uv.dtype not in _FLOATS:
+                break
+            if _is_convert(user):
+                node = last = user
+                if uv.dtype != torch.float32:
+                    break  # a narrowing conversion is the one rounding we keep
+                continue
+            other = _other(user, node)
+            ov = _val(other)
+            if (_is(user, _aten.mul.Tensor) and new_bias is None and isinstance(ov, torch.Tensor)
+                    and ov.numel() == 1 and ov.dtype == torch.float32):
+                alphas.append(other)
+                node = last = user
+                continue
+            if (_is(user, _aten.add.Tensor) and new_bias is None and isinstance(ov, torch.Tensor)
+                    and tuple(ov.shape) == (mv.shape[1],) and ov.dtype in _FLOATS and len(user.args) == 2
+                    and "alpha" not in user.kwargs):
+                new_bias = other
+                node = last = user
+                continue
+            break
+        if last is None or (not alphas and new_bias is bias):
+            continue
+        with graph.inserting_before(last):
+            new_alpha = alpha
+            for f in alphas:
+                new_alpha = graph.call_function(_aten.mul.Tensor, (new_alpha, f))
+                _set_meta(new_alpha)
+            new = graph.call_function(_ops.nvfp4_mm.default,
+                                      (a, b, sa, sb, new_alpha, _val(last).dtype, new_bias))
+        _set_meta(new)
+        last.replace_all_uses_with(new)
+        graph.eliminate_dead_code()
+        count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------
+# the pass
+# ----------------------------------------------------------------------------
+
+
+class ScaledMMPass(CustomGraphPass):
+    """The scaledmm post-grad pass (see the module docstring).
+
+    ``stats`` counts the rewrites done by the last call, per kind.
+    """
+
+    def __init__(self) -> None:
+        self.stats: dict[str, int] = {}
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        self.stats = {
+            "size_conds": lower_size_conds(gm) if gm is not None else 0,
+            "quant_gemm": fuse_quant_into_gemm(graph),
+            "nvfp4_epilogue": fold_nvfp4_epilogue(graph),
+        }
+        graph.lint()
+
+    def uuid(self) -> Any:
+        return get_hash_for_files((__file__,))
+
+
+def passes() -> ScaledMMPass:
+    """The scaledmm Inductor pass, for ``options={"post_grad_custom_post_pass": ...}``.
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> p = scaledmm.compile.passes()
+    >>> p.uuid() == scaledmm.compile.passes().uuid()
+    True
+    >>> f = torch.compile(lambda x: x + 1, options={"post_grad_custom_post_pass": p})
+    """
+    return ScaledMMPass()

@@ -1,0 +1,269 @@
+"""``NvFp4Linear``: NVFP4 linear layer (ModelOpt checkpoint convention) on
+``torch.ops.scaledmm.nvfp4_quant`` + ``nvfp4_mm`` (W4A4) or
+``nvfp4_w4a16_mm`` (W4A16)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaledmm import validation as V
+from scaledmm.ops import nvfp4 as ops
+from scaledmm.oplib import FP8_DTYPE
+
+__all__ = ["NvFp4Linear"]
+
+_NAME = "NvFp4Linear"
+# Largest activation / weight magnitude one global scale maps to: e4m3 max
+# block scale times e2m1 max code.
+_RANGE = ops.FP8_MAX * ops.E2M1_MAX
+# Floor of an amax: keeps 448 * 6 / amax finite (an all-zero tensor then gets
+# zero block scales and zero codes instead of inf * 0 = NaN).
+_AMAX_FLOOR = 1e-30
+
+
+def _scalar(name: str, t, device=None) -> torch.Tensor:
+    """A one-element float32 tensor from a checkpoint scalar (any 1-element shape)."""
+    t = torch.as_tensor(t, device=device)
+    if not t.dtype.is_floating_point or t.numel() != 1:
+        V.fail(_NAME, name, "a floating-point tensor with one element", f"{t.dtype} {tuple(t.shape)}")
+    return t.detach().to(torch.float32).reshape(())
+
+
+class NvFp4Linear(nn.Module):
+    """Linear layer with NVFP4 weights: e2m1 codes, an e4m3 scale per 16
+    weights along K, a float32 global scale.
+
+    Parameters follow the NVIDIA ModelOpt checkpoint convention: ``weight``
+    (uint8 ``[N, K/2]``, two codes per byte, element 2i in the low nibble),
+    ``weight_scale`` (e4m3 ``[N, K/16]``, linear layout), ``weight_scale_2``
+    (float32 scalar: the weight decode multiplier, ``amax_w / (448 * 6)``),
+    ``input_scale`` (float32 scalar: the activation decode multiplier) and an
+    optional ``bias``.
+
+    :meth:`process_weights_after_loading` pads the weight once to N a
+    multiple of 32 (zero rows) and K a multiple of 64 (zero codes, zero
+    scales), which is what the Triton and sm100 (cuBLASLt, FlashInfer)
+    backends need, and swizzles ``weight_scale`` into the
+    ``[round_up(N', 128), round_up(K'/16, 4)]`` layout the GEMMs read.  The
+    forward then quantizes the activation with ``global_scale = 1 /
+    input_scale``, runs ``nvfp4_mm`` with ``alpha = input_scale *
+    weight_scale_2`` (W4A4) or ``nvfp4_w4a16_mm`` with ``weight_scale_2``
+    (``use_w4a16=True``; bf16/fp16 activations, no activation quantization),
+    adds the bias and returns the logical N columns.  It moves no weight
+    bytes; it pads only the activation along K when K % 64 != 0.
+
+    With ``dynamic_input_scale=True`` (what :meth:`from_float` gives without
+    ``input_amax``, and :meth:`from_checkpoint` without ``input_scale``) the
+    activation's global scale is computed per call from the amax of its
+    finite values, on the device (no host sync): ``448 * 6 / amax``.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        K (a multiple of 16) and N.
+    bias : bool
+        Whether the layer has a bias (kept in ``out_dtype``).
+    device : torch.device, optional
+    out_dtype : torch.dtype
+        bf16 (default), fp16 or fp32.
+    use_w4a16 : bool
+        Keep activations in bf16/fp16 and run ``nvfp4_w4a16_mm``.
+    dynamic_input_scale : bool
+        Per-call activation global scale instead of ``input_scale``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.layers import NvFp4Linear
+    >>> lin = torch.nn.Linear(80, 40, dtype=torch.bfloat16)
+    >>> layer = NvFp4Linear.from_float(lin, input_amax=4.0)
+    >>> layer(torch.randn(2, 3, 80, dtype=torch.bfloat16)).shape
+    torch.Size([2, 3, 40])
+    """
+
+    N_MULTIPLE = 32
+    K_MULTIPLE = 64
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None,
+                 out_dtype: torch.dtype = torch.bfloat16, use_w4a16: bool = False,
+                 dynamic_input_scale: bool = False):
+        super().__init__()
+        if in_features <= 0 or in_features % ops.BLOCK != 0:
+            V.fail(_NAME, "in_features", f"a positive multiple of {ops.BLOCK}", in_features)
+        if out_features <= 0:
+            V.fail(_NAME, "out_features", "a positive int", out_features)
+        V.check_out_dtype(_NAME, out_dtype)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.out_dtype = out_dtype
+        self.use_w4a16 = bool(use_w4a16)
+        self.dynamic_input_scale = bool(dynamic_input_scale)
+
+        def param(t):
+            return nn.Parameter(t, requires_grad=False)
+
+        k, n = in_features, out_features
+        self.weight = param(torch.zeros(n, k // 2, dtype=torch.uint8, device=device))
+        self.weight_scale = param(torch.zeros(n, k // ops.BLOCK, dtype=FP8_DTYPE, device=device))
+        self.weight_scale_2 = param(torch.ones((), dtype=torch.float32, device=device))
+        self.input_scale = param(torch.ones((), dtype=torch.float32, device=device))
+        self.bias = param(torch.zeros(n, dtype=out_dtype, device=device)) if bias else None
+        self._processed = False
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, *, input_amax: float | torch.Tensor | None = None,
+                   out_dtype: torch.dtype = torch.bfloat16, use_w4a16: bool = False) -> "NvFp4Linear":
+        """Quantize an ``nn.Linear`` (bf16/fp16/fp32) to NVFP4.
+
+        ``weight_scale_2 = amax(|W|) / (448 * 6)``; the weight is quantized
+        with ``nvfp4_quant(W, 1 / weight_scale_2)``.  ``input_amax`` (the
+        calibrated activation amax) sets ``input_scale = input_amax / (448 *
+        6)``; without it the layer scales activations dynamically.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from scaledmm.layers import NvFp4Linear
+        >>> NvFp4Linear.from_float(torch.nn.Linear(64, 32)).weight.shape
+        torch.Size([32, 32])
+        """
+        w = linear.weight.detach()
+        n, k = w.shape
+        layer = cls(k, n, bias=linear.bias is not None, device=w.device, out_dtype=out_dtype,
+                    use_w4a16=use_w4a16, dynamic_input_scale=input_amax is None)
+        wf = w.float()
+        amax = wf.abs().amax().clamp(min=_AMAX_FLOOR)
+        scale_2 = amax / _RANGE
+        q, s = torch.ops.scaledmm.nvfp4_quant(wf, (1.0 / scale_2).reshape(1), False)
+        layer.weight.data.copy_(q)
+        layer.weight_scale.data.copy_(s)
+        layer.weight_scale_2.data.copy_(scale_2)
+        if input_amax is not None:
+            layer.input_scale.data.copy_(_scalar("input_amax", input_amax, w.device) / _RANGE)
+        if linear.bias is not None:
+            layer.bias.data.copy_(linear.bias.detach())
+        layer.process_weights_after_loading()
+        return layer
+
+    @classmethod
+    def from_checkpoint(cls, tensors: dict[str, torch.Tensor], *, out_dtype: torch.dtype = torch.bfloat16,
+                        use_w4a16: bool = False, device=None) -> "NvFp4Linear":
+        """Load ModelOpt NVFP4 tensors: ``weight``, ``weight_scale``,
+        ``weight_scale_2``, ``input_scale`` (optional: dynamic activation
+        scaling without it) and ``bias`` (optional).
+
+        Examples
+        --------
+        >>> import torch
+        >>> from scaledmm.layers import NvFp4Linear
+        >>> t = {"weight": torch.zeros(8, 16, dtype=torch.uint8),
+        ...      "weight_scale": torch.ones(8, 2).to(torch.float8_e4m3fn),
+        ...      "weight_scale_2": torch.tensor(0.01), "input_scale": torch.tensor(0.002)}
+        >>> NvFp4Linear.from_checkpoint(t)(torch.randn(3, 32)).shape
+        torch.Size([3, 8])
+        """
+        for key in ("weight", "weight_scale", "weight_scale_2"):
+            if key not in tensors:
+                V.fail(_NAME, key, "a tensor in the checkpoint", "nothing")
+        w, ws = tensors["weight"], tensors["weight_scale"]
+        V.check_dtype(_NAME, "weight", w, torch.uint8)
+        V.check_rank(_NAME, "weight", w, 2)
+        n, k = w.shape[0], 2 * w.shape[1]
+        V.check_dtype(_NAME, "weight_scale", ws, FP8_DTYPE)
+        V.check_shape(_NAME, "weight_scale", ws, (n, k // ops.BLOCK), "[N, K/16] for weight [N, K/2]")
+        device = w.device if device is None else device
+        bias = tensors.get("bias")
+        layer = cls(k, n, bias=bias is not None, device=device, out_dtype=out_dtype, use_w4a16=use_w4a16,
+                    dynamic_input_scale="input_scale" not in tensors)
+        layer.weight.data.copy_(w)
+        layer.weight_scale.data.copy_(ws)
+        layer.weight_scale_2.data.copy_(_scalar("weight_scale_2", tensors["weight_scale_2"]))
+        if "input_scale" in tensors:
+            layer.input_scale.data.copy_(_scalar("input_scale", tensors["input_scale"]))
+        if bias is not None:
+            V.check_shape(_NAME, "bias", bias, (n,))
+            layer.bias.data.copy_(bias)
+        layer.process_weights_after_loading()
+        return layer
+
+    def process_weights_after_loading(self) -> None:
+        """Pad the weight to N % 32 == 0 and K % 64 == 0, swizzle its scales,
+        precompute the global scales.  Idempotent."""
+        if self._processed:
+            return
+        n, k = self.out_features, self.in_features
+        n_pad, k_pad = V.round_up(n, self.N_MULTIPLE), V.round_up(k, self.K_MULTIPLE)
+        w = self.weight.data
+        weight = w.new_zeros((n_pad, k_pad // 2))
+        weight[:n, : k // 2] = w
+        scales = torch.zeros((n_pad, k_pad // ops.BLOCK), dtype=FP8_DTYPE, device=w.device)
+        scales[:n, : k // ops.BLOCK] = self.weight_scale.data
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(ops.swizzle_block_scales(scales), requires_grad=False)
+        if self.bias is not None and n_pad != n:
+            bias = self.bias.data.new_zeros((n_pad,))
+            bias[:n] = self.bias.data
+            self.bias = nn.Parameter(bias, requires_grad=False)
+        scale_2 = self.weight_scale_2.data.float().reshape(1)
+        in_scale = self.input_scale.data.float().reshape(1)
+        self.register_buffer("_global_scale", 1.0 / in_scale, persistent=False)
+        self.register_buffer("_alpha", in_scale * scale_2, persistent=False)
+        self.register_buffer("_weight_alpha", scale_2.clone(), persistent=False)
+        self._n_pad, self._k_pad = n_pad, k_pad
+        self._processed = True
+
+    # ------------------------------------------------------------------ forward
+
+    def _dynamic_scales(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-call (global_scale, alpha) from the amax of the finite values of x
+        (NaN/Inf must not change the other rows' scaling)."""
+        finite = x2.float().abs().nan_to_num(nan=0.0, posinf=0.0)
+        row_amax = finite.amax(dim=1)  # K > 0, so this is fine for M = 0
+        floor = row_amax.new_full((1,), _AMAX_FLOOR)
+        amax = torch.cat([row_amax, floor]).amax().reshape(1)
+        gs = _RANGE / amax
+        return gs, self._weight_alpha / gs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._processed:
+            raise RuntimeError(f"{_NAME}: call process_weights_after_loading() before forward")
+        n, k = self.out_features, self.in_features
+        if x.shape[-1] != k:
+            V.fail(_NAME, "x", f"last dim K = {k}", f"shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if self._k_pad != k:
+            x2 = F.pad(x2, (0, self._k_pad - k))
+        if self.use_w4a16:
+            if x2.dtype not in V.HALF_DTYPES:
+                x2 = x2.to(self.out_dtype if self.out_dtype in V.HALF_DTYPES else torch.bfloat16)
+            out = torch.ops.scaledmm.nvfp4_w4a16_mm(x2, self.weight, self.weight_scale, self._weight_alpha,
+                                                    self.out_dtype, self.bias)
+        else:
+            if self.dynamic_input_scale:
+                gs, alpha = self._dynamic_scales(x2)
+            else:
+                gs, alpha = self._global_scale, self._alpha
+            q, s = torch.ops.scaledmm.nvfp4_quant(x2, gs, True)
+            out = torch.ops.scaledmm.nvfp4_mm(q, self.weight, s, self.weight_scale, alpha, self.out_dtype,
+                                              self.bias)
+        if self._n_pad != n:
+            out = out[:, :n]
+        return out.reshape(*lead, n)
+
+    def extra_repr(self) -> str:
+        mode = "w4a16" if self.use_w4a16 else (
+            "w4a4, dynamic activation scale" if self.dynamic_input_scale else "w4a4, static activation scale")
+        text = (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format=nvfp4 (e2m1, e4m3 scale per 16, fp32 global), "
+                f"mode={mode}, out_dtype={self.out_dtype}")
+        if self._processed:
+            text += (f", weight=uint8{list(self.weight.shape)} padded to N%{self.N_MULTIPLE}, "
+                     f"K%{self.K_MULTIPLE}, weight_scale=swizzled e4m3{list(self.weight_scale.shape)}")
+        else:
+            text += ", not processed (checkpoint layout)"
+        return text

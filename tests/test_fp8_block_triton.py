@@ -1,0 +1,435 @@
+"""Triton backend of fp8_block (ops/fp8_block_triton.py) on the CPU.
+
+Triton chooses interpreter or compiler when a kernel is decorated, so the
+kernel tests run in a child pytest process started with TRITON_INTERPRET=1
+(nothing leaks into other test files).  A second child compiles the default
+configs for sm90 / sm89 / sm80 with Triton's own compiler (no GPU needed) and
+checks the generated code: wgmma, TMA, warp specialization, no spills.
+
+References: quantization must equal ``ops.fp8_block.reference_quant`` bit for
+bit; GEMMs are compared with the SPEC formula in float64.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INNER = os.environ.get("SCALEDMM_TRITON_CHILD")
+
+
+def _child(mode: str, args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SCALEDMM_TRITON_CHILD=mode, PYTHONWARNINGS="ignore")
+    env.pop("TRITON_INTERPRET", None)
+    if mode == "interpret":
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+if INNER is None:
+    pytest.importorskip("triton")
+
+    def test_kernels_in_triton_interpreter():
+        r = _child("interpret", ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__], 900)
+        assert r.returncode == 0, (r.stdout[-6000:] + r.stderr[-3000:])
+
+    def test_sm90_sm89_sm80_codegen():
+        r = _child("codegen", [__file__], 600)
+        assert r.returncode == 0 and "codegen ok" in r.stdout, (r.stdout[-6000:] + r.stderr[-3000:])
+
+
+# ============================================================================
+# Offline code generation (child "codegen"): Triton's compiler, a stand-in driver
+# ============================================================================
+
+
+def _codegen_main() -> None:
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    class OfflineDriver:  # what JITFunction.warmup asks of a driver; nothing runs
+        def __init__(self, cap):
+            self.target = GPUTarget("cuda", cap, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return self.target
+
+        def is_active(self):
+            return True
+
+    from scaledmm.ops import fp8_block_triton as T
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+    def usage(kernel) -> str:
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(kernel.asm["cubin"])
+        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        os.unlink(f.name)
+        return re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", out).group(0)
+
+    def build(cfg, m, n, k, fused, soft):
+        a = torch.empty(m, k, dtype=torch.bfloat16 if fused else torch.float8_e4m3fn)
+        b = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        sa = torch.empty(m, math.ceil(k / 128))
+        sb = torch.empty(math.ceil(n / 128), math.ceil(k / 128))
+        a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, 128]) if cfg.tma else T._bytes_view(a, soft)
+        b_arg = TensorDescriptor.from_tensor(b, [cfg.block_n, 128]) if cfg.tma else T._bytes_view(b, soft)
+        return T._mm_kernel.warmup(
+            a_arg, b_arg, out, out, out if fused else sa, sb, out, m, n, k, a.stride(0), b.stride(0),
+            out.stride(0), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), 1e-10,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
+            SWAP_AB=cfg.swap_ab, QUANT_A=fused, HAS_BIAS=False, A_TMA=cfg.tma, B_TMA=cfg.tma, EVEN_K=True,
+            PERSISTENT=cfg.persistent, NUM_PROGS=132, WARP_SPEC=cfg.warp_specialize, SOFT_FP8=soft,
+            INTERPRET=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
+
+    failures = []
+    for cap in (90, 89, 80):
+        driver.set_active(OfflineDriver(cap))
+        soft = cap < 89
+        cfgs = [(T.default_config(m, n, k, 132, fused, cap == 90), m, n, k, fused)
+                for m, n, k in ((1, 2112, 7168), (33, 576, 7168), (100, 24576, 1536), (300, 7168, 2048),
+                                (4096, 7168, 16384)) for fused in (False, True)]
+        if cap == 90:
+            big = T.MMConfig(128, 128, num_warps=8, num_stages=4, tma=True, persistent=True)
+            cfgs += [(big, 4096, 7168, 16384, False),
+                     (T.MMConfig(128, 128, num_warps=8, num_stages=4, tma=True, persistent=True,
+                                 warp_specialize=True), 4096, 7168, 16384, False)]
+        for cfg, m, n, k, fused in cfgs:
+            if cfg.tma and cap < 90:
+                continue
+            kern = build(cfg, m, n, k, fused, soft)
+            ptx, ttgir, res = kern.asm["ptx"], kern.asm["ttgir"], usage(kern)
+            line = f"sm{cap} {'fused' if fused else 'mm   '} M={m:<5} {cfg.short():<22} {res}"
+            print(line)
+            want = []
+            if cap == 90 and max(cfg.block_m, cfg.block_n) >= 64:
+                want.append(("wgmma", "wgmma.mma_async" in ptx))
+            if cap < 90:
+                want.append(("mma.sync", "mma.sync" in ptx))
+            if cfg.tma:
+                want.append(("TMA", "cp.async.bulk.tensor" in ptx))
+            if cfg.warp_specialize:
+                want.append(("warp_specialize", "warp_specialize" in ttgir))
+            want.append(("no spills", " STACK:0 " in res + " " and "LOCAL:0" in res))
+            failures += [f"{line}: missing {what}" for what, ok in want if not ok]
+    print("\n".join(failures) if failures else "codegen ok")
+
+
+if INNER == "codegen" and __name__ == "__main__":
+    _codegen_main()
+
+
+# ============================================================================
+# Kernel tests (child "interpret"): TRITON_INTERPRET=1 was set before import
+# ============================================================================
+
+if INNER == "interpret":
+    import numpy as np
+    import triton
+    import triton.language as tl
+    from hypothesis import given, strategies as st
+
+    import scaledmm
+    from helpers import FP8, opcheck, poison_, rel_err
+    from scaledmm.ops import fp8_block as base
+    from scaledmm.ops import fp8_block_triton as T
+
+    pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN/Inf casts in the interpreter
+    assert T._INTERPRET, "child must import triton with TRITON_INTERPRET=1"
+
+    @pytest.fixture(autouse=True)
+    def poisoned_outputs(monkeypatch):
+        """Every output the backend allocates starts as NaN / 0xFF bytes, so an
+        element the kernels do not write shows up."""
+        real_mm_output, real_quant_outputs = base.mm_output, base.quant_outputs
+        monkeypatch.setattr(base, "mm_output", lambda *a: poison_(real_mm_output(*a)))
+
+        def quant_outputs(*args):
+            q, s = real_quant_outputs(*args)
+            return poison_(q), poison_(s)
+
+        monkeypatch.setattr(base, "quant_outputs", quant_outputs)
+
+    def same_bits(q, ref) -> bool:
+        """Byte equality, NaN codes compared as NaN (either sign)."""
+        qn, rn = torch.isnan(q.float()), torch.isnan(ref.float())
+        return torch.equal(qn, rn) and torch.equal(q.view(torch.uint8)[~rn], ref.view(torch.uint8)[~rn])
+
+    def mm_ref64(a, b, sa, sb):
+        """SPEC formula in float64 (K blocks of 128, weight blocks of 128 rows)."""
+        m, k = a.shape
+        n = b.shape[0]
+        kb = math.ceil(k / 128)
+        A = torch.zeros(m, kb * 128, dtype=torch.float64)
+        B = torch.zeros(n, kb * 128, dtype=torch.float64)
+        A[:, :k], B[:, :k] = a.double(), b.double()
+        part = torch.einsum("mjk,njk->mnj", A.view(m, kb, 128), B.view(n, kb, 128))
+        return torch.einsum("mnj,mj,nj->mn", part, sa.double(), sb.double().repeat_interleave(128, 0)[:n])
+
+    def inputs(m, n, k, col_major=False, row_pad=0, pad_b_scales=False):
+        a = (torch.randn(m, k + row_pad) * 2).to(FP8)[:, :k]
+        b = (torch.randn(n, k) * 2).to(FP8)
+        kb = math.ceil(k / 128)
+        sa = torch.rand(m, kb) + 0.05
+        if col_major:
+            sa = sa.t().contiguous().t()
+        sb = torch.rand(math.ceil(n / 128), kb) + 0.05
+        if pad_b_scales:
+            sb = base.pad_scale_rows(sb, 4) if hasattr(base, "pad_scale_rows") else sb
+        return a, b, sa, sb
+
+    # ---------------------------------------------------------------- quant
+
+    @pytest.mark.parametrize("m", [0, 1, 3, 17])
+    @pytest.mark.parametrize("layout", ["row", "col", "col_tma"])
+    @pytest.mark.parametrize("ue8m0", [False, True])
+    def test_quant_bit_exact(m, layout, ue8m0):
+        x = (torch.randn(m, 384 + 40) * torch.logspace(-3, 3, m or 1).unsqueeze(1)[:m]).to(torch.bfloat16)
+        x = x[:, :384]  # strided rows
+        col = layout != "row"
+        q, s = T.per_token_group_quant(x, 128, 1e-10, col, ue8m0, tma_aligned=layout == "col_tma")
+        qr, sr = base.reference_quant(x, 128, 1e-10, col, ue8m0)
+        assert same_bits(q, qr) and torch.equal(s, sr)
+        if col and m > 1:
+            assert s.stride(0) == 1 and s.stride(1) == (math.ceil(m / 4) * 4 if layout == "col_tma" else m)
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+    @pytest.mark.parametrize("group", [64, 96])
+    def test_quant_dtypes_and_group_sizes(dtype, group):
+        x = torch.randn(5, group * 3, dtype=dtype) * 7
+        q, s = T.per_token_group_quant(x, group, 1e-6, False, False)
+        qr, sr = base.reference_quant(x, group, 1e-6, False, False)
+        assert same_bits(q, qr) and torch.equal(s, sr)
+
+    def test_quant_special_values():
+        """NaN/Inf stay in their group; ties round to even; subnormal codes; eps floor."""
+        x = torch.randn(6, 256)
+        x[0, 3] = float("nan")
+        x[1, 130] = float("inf")
+        x[2, :128] = 0.0  # amax 0: scale eps / 448
+        x[3, :128] = torch.tensor([448.0, 1.0625 * 448 / 448, 2 ** -8, -2 ** -10, 2 ** -7 * 1.5, 3 * 2 ** -10,
+                                   5 * 2 ** -10, 1.5625] * 16)  # ties at several binades
+        x[4, 128:] = torch.linspace(-1e-3, 1e-3, 128)  # many subnormal codes
+        x[5, :128] = 2.0 ** torch.arange(-64, 64).float()  # huge dynamic range
+        for ue8m0 in (False, True):
+            q, s = T.per_token_group_quant(x, 128, 1e-10, False, ue8m0)
+            qr, sr = base.reference_quant(x, 128, 1e-10, False, ue8m0)
+            assert same_bits(q, qr) and torch.equal(s.isnan(), sr.isnan())
+            assert torch.equal(s[~sr.isnan()], sr[~sr.isnan()])
+            assert not torch.isnan(q.float()[1:, :128]).any()  # other groups untouched
+
+    @given(m=st.integers(0, 24), groups=st.integers(1, 4), pad=st.integers(0, 3), ue8m0=st.booleans(),
+           col=st.booleans(), logmag=st.floats(-20, 20), dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+    def test_quant_hypothesis(m, groups, pad, ue8m0, col, logmag, dtype):
+        k = 128 * groups
+        x = (torch.randn(m, k + 8 * pad) * 2.0 ** logmag).to(dtype)[:, :k]
+        q, s = T.per_token_group_quant(x, 128, 1e-10, col, ue8m0)
+        qr, sr = base.reference_quant(x, 128, 1e-10, col, ue8m0)
+        assert same_bits(q, qr) and torch.equal(s, sr) and s.stride() == sr.stride()
+
+    def test_soft_e4m3_encoder_every_code_and_tie():
+        """The interpreter-side encoder (also sm80's) against torch's cast."""
+
+        @triton.jit
+        def enc(x_ptr, q_ptr, N: tl.constexpr):
+            offs = tl.arange(0, N)
+            tl.store(q_ptr + offs, T._e4m3_soft(tl.load(x_ptr + offs)))
+
+        codes = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+        finite = codes[~codes.isnan()]
+        mids = (finite.sort().values[1:] + finite.sort().values[:-1]) / 2  # exact ties
+        v = torch.cat([finite, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
+                       torch.rand(4096) * 896 - 448, torch.tensor([float("nan")])])
+        v = v.clamp(-448, 448)
+        n = triton.next_power_of_2(v.numel())
+        x = torch.zeros(n)
+        x[: v.numel()] = v
+        q = torch.empty(n, dtype=torch.uint8)
+        enc[(1,)](x, q, n)
+        assert same_bits(q.view(FP8), x.to(FP8))
+
+    def test_fp16_widening_is_exact():
+        """sm80 path: e4m3 bits -> fp16 holding value * 2**-8, for all 256 codes."""
+
+        @triton.jit
+        def widen(q_ptr, y_ptr):
+            offs = tl.arange(0, 256)
+            tl.store(y_ptr + offs, T._fp16_from_e4m3(tl.load(q_ptr + offs)).to(tl.float32))
+
+        q = torch.arange(256, dtype=torch.uint8)
+        y = torch.empty(256)
+        widen[(1,)](q, y)
+        want = q.view(FP8).float() * 2.0 ** -8
+        ok = ~want.isnan()
+        assert torch.equal(y[ok], want[ok])
+
+    # ----------------------------------------------------------------- GEMM
+
+    CONFIGS = [
+        T.MMConfig(16, 64),
+        T.MMConfig(16, 64, split_k=2, swap_ab=True),
+        T.MMConfig(32, 256, split_k=3, num_warps=8),
+        T.MMConfig(16, 32, tma=True),
+        T.MMConfig(16, 64, tma=True, persistent=True),
+        T.MMConfig(16, 256, swap_ab=True, num_warps=8),
+        T.MMConfig(32, 64, persistent=True, warp_specialize=True, tma=True),
+    ]
+
+    @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.short())
+    @pytest.mark.parametrize("m,n,k", [(1, 200, 384), (17, 256, 320), (3, 384, 512)])
+    def test_mm_configs_vs_float64(cfg, m, n, k):
+        assert T.config_ok(cfg, m, n, k)[0]
+        a, b, sa, sb = inputs(m, n, k, col_major=m == 17, row_pad=16)
+        out = T.mm(a, b, sa, sb, torch.float32, cfg)
+        assert rel_err(out, mm_ref64(a, b, sa, sb)) < 1e-5
+
+    @pytest.mark.parametrize("m", [0, 1, 3, 17, 40, 130])
+    @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+    def test_mm_op_default_configs(m, out_dtype):
+        a, b, sa, sb = inputs(m, 160, 256, col_major=m % 2 == 1, row_pad=32, pad_b_scales=True)
+        with scaledmm.use_backend("fp8_block", "triton"):
+            out = torch.ops.scaledmm.fp8_block_mm(a, b, sa, sb, [128, 128], out_dtype)
+        assert out.shape == (m, 160) and out.dtype == out_dtype
+        ref = mm_ref64(a, b, sa, sb)
+        if m:
+            assert rel_err(out, ref) < (1e-5 if out_dtype == torch.float32 else 4e-3)
+
+    def test_mm_nan_stays_in_its_row_and_column():
+        a, b, sa, sb = inputs(5, 192, 256)
+        sa[2, 1] = float("nan")  # (the interpreter's fp8 dot reads NaN codes as numbers)
+        sb[1, 1] = float("nan")  # rows 128.. of b, second K block
+        out = T.mm(a, b, sa, sb, torch.float32, T.MMConfig(16, 64, split_k=2, swap_ab=True))
+        bad = out.isnan()
+        assert bad[2].all() and bad[:, 128:].all()
+        assert not bad[[0, 1, 3, 4], :128].any()
+
+    @given(m=st.integers(0, 40), n=st.integers(1, 300), k=st.integers(1, 400), pick=st.integers(0, 10 ** 6),
+           col=st.booleans(), pad=st.integers(0, 2))
+    def test_mm_hypothesis(m, n, k, pick, col, pad):
+        cands = [c for c in T.candidate_configs(max(m, 1), n, k, 4) + CONFIGS if T.config_ok(c, m, n, k)[0]]
+        cfg = cands[pick % len(cands)]
+        a, b, sa, sb = inputs(m, n, k, col_major=col, row_pad=16 * pad)
+        out = T.mm(a, b, sa, sb, torch.float32, cfg)
+        if m:
+            assert rel_err(out, mm_ref64(a, b, sa, sb)) < 1e-5, cfg
+
+    def test_bad_config_names_the_argument():
+        a, b, sa, sb = inputs(2, 128, 256)
+        with pytest.raises(ValueError, match="config"):
+            T.mm(a, b, sa, sb, torch.float32, T.MMConfig(16, 64, split_k=3))  # 2 K blocks only
+        with pytest.raises(ValueError, match="a_scales"):
+            T.mm(a, b, sa[:, :1], sb)
+        assert not T.config_ok(T.MMConfig(128, 256, num_warps=8), 256, 256, 256)[0]  # registers
+        assert not T.config_ok(T.MMConfig(64, 64, split_k=2, persistent=True), 256, 256, 256)[0]
+
+    def test_default_configs_are_valid_for_every_bucket():
+        for m in (1, 16, 17, 64, 65, 128, 129, 512, 513, 8192):
+            for n, k in ((2112, 7168), (24576, 1536), (576, 7168), (128, 128), (100, 64)):
+                for fused in (False, True):
+                    for sm90 in (True, False):
+                        cfg = T.default_config(m, n, k, 132, fused, sm90)
+                        assert T.config_ok(cfg, m, n, k, fused) == (True, "ok"), (m, n, k, cfg)
+                assert T.candidate_configs(m, n, k)
+
+    # --------------------------------------------------------------- linear
+
+    @pytest.mark.parametrize("m", [1, 3, 17, 70])
+    @pytest.mark.parametrize("bias", [False, True])
+    @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+    def test_fused_linear_equals_quant_then_mm(m, bias, out_dtype):
+        n, k = 200, 384
+        x = (torch.randn(m, k + 64) * 3).to(torch.bfloat16)[:, :k]
+        b = (torch.randn(n, k) * 2).to(FP8)
+        sb = torch.rand(2, 3) + 0.1
+        bv = torch.randn(n, dtype=torch.bfloat16) if bias else None
+        for cfg in (T.MMConfig(16, 64, split_k=3, swap_ab=True), T.MMConfig(32, 64), T.default_config(m, n, k)):
+            fused = T.linear(x, b, sb, out_dtype, bv, cfg, fuse=True)
+            q, s = T.per_token_group_quant(x, 128)
+            two_step = T._run_mm(q, b, s, sb, torch.float32, None, cfg, quant_a=False)
+            if bv is not None:
+                two_step = two_step + bv.float()
+            # (the interpreter truncates fp32 -> bf16; the GPU test checks bf16 bit for bit)
+            if out_dtype == torch.float32:
+                assert torch.equal(fused, two_step)
+            assert torch.equal(T.linear(x, b, sb, out_dtype, bv, cfg, fuse=False), fused)
+        ref = base.reference_linear(x, b, sb, (128, 128), torch.float32, bv)
+        assert rel_err(fused.float(), ref) < (1e-5 if out_dtype == torch.float32 else 4e-3)
+
+    def test_linear_op_through_backend():
+        x = torch.randn(70, 256, dtype=torch.float16)  # unfused path (M > FUSE_QUANT_MAX_M)
+        b = torch.randn(130, 256).to(FP8)
+        sb = torch.rand(2, 2) + 0.5
+        bias = torch.randn(130, dtype=torch.float16)
+        with scaledmm.use_backend("fp8_block", "triton"):
+            for xm in (x, x[:5]):
+                out = torch.ops.scaledmm.fp8_block_linear(xm, b, sb, [128, 128], torch.float16, bias)
+                ref = base.reference_linear(xm, b, sb, (128, 128), torch.float16, bias)
+                assert out.dtype == torch.float16 and rel_err(out, ref) < 2e-3
+
+    # --------------------------------------------------- registry, opcheck, compile
+
+    def test_registry_answers():
+        be = scaledmm.backends.get("fp8_block", "triton")
+        assert be.is_supported(torch.device("cpu"))[0]
+        p = base.problem(torch.empty(3, 256, dtype=FP8), torch.empty(128, 256, dtype=FP8), (64, 128),
+                         torch.bfloat16, False)
+        ok, why = be.can_implement(p)
+        assert not ok and "block_size" in why
+        assert "triton" in scaledmm.backends.report(file=open(os.devnull, "w"))
+
+    def test_opcheck_all_three_ops():
+        a, b, sa, sb = inputs(3, 136, 256, col_major=True)
+        x = torch.randn(3, 256, dtype=torch.bfloat16)
+        with scaledmm.use_backend("fp8_block", "triton"):
+            opcheck(torch.ops.scaledmm.per_token_group_quant_fp8.default, (x, 128, 1e-10, True, True))
+            opcheck(torch.ops.scaledmm.fp8_block_mm.default, (a, b, sa, sb, [128, 128], torch.float16))
+            opcheck(torch.ops.scaledmm.fp8_block_linear.default,
+                    (x, b, sb, [128, 128], torch.bfloat16, torch.randn(136, dtype=torch.bfloat16)))
+
+    def test_fake_tensor_matches_real_layouts():
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        x = torch.randn(7, 256, dtype=torch.bfloat16)
+        with scaledmm.use_backend("fp8_block", "triton"):
+            q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, 128, 1e-10, True)
+        with FakeTensorMode() as mode:
+            fq, fs = torch.ops.scaledmm.per_token_group_quant_fp8(mode.from_tensor(x), 128, 1e-10, True)
+        assert fq.shape == q.shape and fs.stride() == s.stride() == (1, 7)
+
+    def test_compile_fullgraph_dynamic():
+        w = (torch.randn(160, 256) * 2).to(FP8)
+        ws = torch.rand(2, 2) + 0.5
+
+        def f(x):
+            q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, 128)
+            y = torch.ops.scaledmm.fp8_block_mm(q, w, s, ws, [128, 128], torch.float32)
+            return y, torch.ops.scaledmm.fp8_block_linear(x, w, ws, [128, 128], torch.float32)
+
+        torch._dynamo.reset()
+        cf = torch.compile(f, fullgraph=True, dynamic=True)
+        with scaledmm.use_backend("fp8_block", "triton"):
+            for m in (3, 5, 17):
+                x = torch.randn(m, 256, dtype=torch.bfloat16)
+                (y, z), (ye, ze) = cf(x), f(x)
+                assert torch.equal(y, ye) and torch.equal(z, ze)
+                assert rel_err(z, base.reference_linear(x, w, ws, (128, 128), torch.float32)) < 1e-5
