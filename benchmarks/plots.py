@@ -19,6 +19,7 @@ def plot(results: Sequence[Result], ceil: Ceilings, out_dir: Path) -> tuple[list
     """Write one PNG per (op, shape).  Returns the files and a message."""
     try:
         import matplotlib
+        import matplotlib.ticker
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -54,6 +55,7 @@ def plot(results: Sequence[Result], ceil: Ceilings, out_dir: Path) -> tuple[list
         if ceiling:
             ax.axhline(ceiling, color="gray", linewidth=0.8, linestyle=":", label="measured ceiling")
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("M")
         ax.set_ylabel(label)
         ax.set_title(f"{op} {shape.label}")

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
+from scaledmm.oplib import FP8_DTYPE as FP8, FP8_MAX
+
 from .harness import BASELINE, OpBench, Provider, mismatch_fraction
 from .shapes import Shape
 
 __all__ = ["benches"]
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 GROUP = 128
 TOL = 1e-4  # largest fraction of elements matching no candidate
 

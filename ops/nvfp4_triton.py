@@ -270,59 +270,60 @@ def _decode_triton(packed, scale, DTYPE: tl.constexpr):
     return lo.to(DTYPE), hi.to(DTYPE)
 
 
-# PTX, 4 packed bytes (8 codes) per call.  $4 = bytes b0..b3, $5/$6 = fp16x2
-# scales of bytes (0, 1) / (2, 3); $0/$1 = fp16x2 values of the low nibbles of
-# bytes (0, 1) / (2, 3), $2/$3 the high nibbles.  Per pair of codes: prmt moves
-# the two nibbles to bits 12-15 and 28-31 (sign at 15/31), shr puts the
-# magnitudes at 9-11/25-27, lop3 keeps ((t | y) & 0x8E008E00), and one
-# mul.rn.f16x2 applies the block scale: e2m1 * s * 2**-14, exact in fp16
-# (subnormals included; the 2**-14 is folded into the epilogue).
-_PTX_PAIR = """
-    prmt.b32 y, {src}, 0, {sel};
+# Inline PTX, elementwise over bytes: output element j (an int32) is the fp16
+# pair [hi(b_j) * s_j : lo(b_j) * s_j] * 2**-14 of byte j, i.e. the two decoded
+# values in K order, ready to be one 32-bit register of a 16-bit MMA operand.
+# Inputs: $4 = 4 packed bytes, $5..$8 = per-byte scale [s_j : s_j] (fp16 pair).
+# Per byte: prmt gathers the low nibble (pre-shifted) into bits 12-15 and the
+# high nibble into bits 28-31 (signs at 15 / 31), shr puts the magnitudes at
+# 9-11 / 25-27, lop3 keeps (t | y) & 0x8E008E00, mul.rn.f16x2 applies the
+# scale: 2.4 instructions per decoded value.  Exact: the fp16 pattern
+# sign << 15 | mag << 9 is e2m1 * 2**-14 (e2m1's subnormal 0.5 lands on fp16's
+# subnormal 2**-15) and e2m1 * s * 2**-14 is a multiple of 2**-24 below 0.17
+# with at most 6 significant bits, so fp16 holds it exactly (subnormals too;
+# no .ftz).  The 2**-14 goes back in the epilogue (a power of two, exact).
+_PTX_BYTE = """
+    prmt.b32 y, wl, wh, {sel};
     shr.b32 t, y, 3;
     lop3.b32 r, t, y, 0x8E008E00, 0xA8;
-    mul.rn.f16x2 {dst}, r, {scale};"""
+    mul.rn.f16x2 ${j}, r, ${s};"""
 
-_PTX_F16 = ("{\n.reg .b32 wh, wl, y, t, r;\n"
-            "and.b32 wh, $4, 0xF0F0F0F0;\n"
-            "shl.b32 wl, $4, 4;\n"
-            "and.b32 wl, wl, 0xF0F0F0F0;"
-            + _PTX_PAIR.format(src="wl", sel="0x1404", dst="$0", scale="$5")
-            + _PTX_PAIR.format(src="wl", sel="0x3424", dst="$1", scale="$6")
-            + _PTX_PAIR.format(src="wh", sel="0x1404", dst="$2", scale="$5")
-            + _PTX_PAIR.format(src="wh", sel="0x3424", dst="$3", scale="$6")
-            + "\n}")
-
-# bf16: the exact fp16 product goes through fp32 (cvt.f32.f16 is exact, also
-# for fp16 subnormals) into a bf16 pair.
+# bf16: the exact fp16 pair goes through fp32 (cvt.f32.f16 is exact, fp16
+# subnormals included) into a bf16 pair, still exact (6 significant bits).
 _PTX_TO_BF16 = """
-    mov.b32 {{h0, h1}}, {reg};
+    mov.b32 {{h0, h1}}, ${j};
     cvt.f32.f16 f0, h0;
     cvt.f32.f16 f1, h1;
-    cvt.rn.bf16x2.f32 {reg}, f1, f0;"""
+    cvt.rn.bf16x2.f32 ${j}, f1, f0;"""
 
-_PTX_BF16 = ("{\n.reg .b32 wh, wl, y, t, r;\n.reg .b16 h0, h1;\n.reg .f32 f0, f1;\n"
-             "and.b32 wh, $4, 0xF0F0F0F0;\n"
-             "shl.b32 wl, $4, 4;\n"
-             "and.b32 wl, wl, 0xF0F0F0F0;"
-             + _PTX_PAIR.format(src="wl", sel="0x1404", dst="$0", scale="$5")
-             + _PTX_PAIR.format(src="wl", sel="0x3424", dst="$1", scale="$6")
-             + _PTX_PAIR.format(src="wh", sel="0x1404", dst="$2", scale="$5")
-             + _PTX_PAIR.format(src="wh", sel="0x3424", dst="$3", scale="$6")
-             + "".join(_PTX_TO_BF16.format(reg=f"${i}") for i in range(4))
-             + "\n}")
+
+def _ptx_decoder(bf16: bool) -> str:
+    body = ["{", ".reg .b32 wh, wl, y, t, r;", ".reg .b16 h0, h1;", ".reg .f32 f0, f1;",
+            "and.b32 wh, $4, 0xF0F0F0F0;", "shl.b32 wl, $4, 4;", "and.b32 wl, wl, 0xF0F0F0F0;"]
+    for j in range(4):
+        body.append(_PTX_BYTE.format(sel=hex(((4 + j) << 12) | (j << 8) | (j << 4) | j), j=j, s=5 + j))
+    if bf16:
+        body += [_PTX_TO_BF16.format(j=j) for j in range(4)]
+    return "\n".join(body + ["}"])
+
+
+_PTX_F16 = tl.constexpr(_ptx_decoder(bf16=False))
+_PTX_BF16 = tl.constexpr(_ptx_decoder(bf16=True))
 
 
 @triton.jit
-def _decode_ptx(packed, scale, DTYPE: tl.constexpr):
-    """Inline PTX: ``scale`` is fp16 ``s``; returns exact ``e2m1 * s * 2**-14``."""
+def _decode_ptx(packed, scale2, DTYPE: tl.constexpr):
+    """Inline PTX: ``scale2`` is int32 ``[s : s]`` (fp16 pair); returns the
+    decoded values ``e2m1 * s * 2**-14`` (exact) in K order, ``[R, 2C]``."""
     if DTYPE == tl.bfloat16:
-        lo, hi = tl.inline_asm_elementwise(_PTX_BF16, "=r,=r,=r,=r,r,r,r", [packed, scale],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        pair = tl.inline_asm_elementwise(_PTX_BF16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale2],
+                                         dtype=tl.int32, is_pure=False, pack=4)
     else:
-        lo, hi = tl.inline_asm_elementwise(_PTX_F16, "=r,=r,=r,=r,r,r,r", [packed, scale],
-                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    return lo, hi
+        pair = tl.inline_asm_elementwise(_PTX_F16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale2],
+                                         dtype=tl.int32, is_pure=False, pack=4)
+    lo = (pair & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
+    hi = (pair >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    return tl.interleave(lo, hi)
 
 
 @triton.jit
@@ -353,14 +354,13 @@ def _load_fp4_tile(q_ptr, s_ptr, rows, R, row_stride, row_bytes, s_c4, kt,
     sc = tl.load(s_ptrs, mask=smask, other=0).to(tl.float8e4nv, bitcast=True)
     sc = tl.reshape(sc, (BLOCK_R, KG))
     if PTX:
-        sc = sc.to(tl.float16)
-    else:
-        sc = sc.to(tl.float32) * 16384.0
+        # [s : s] as one int32 per block, broadcast to its 8 bytes for free
+        s16 = sc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        s2 = tl.reshape(tl.broadcast_to((s16 | (s16 << 16))[:, :, None], (BLOCK_R, KG, 8)), (BLOCK_R, KB))
+        return _decode_ptx(packed, s2, DTYPE)
+    sc = sc.to(tl.float32) * 16384.0
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_R, KG, 8)), (BLOCK_R, KB))
-    if PTX:
-        lo, hi = _decode_ptx(packed, sc, DTYPE)
-    else:
-        lo, hi = _decode_triton(packed, sc, DTYPE)
+    lo, hi = _decode_triton(packed, sc, DTYPE)
     return tl.interleave(lo, hi)
 
 

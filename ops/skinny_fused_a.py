@@ -169,7 +169,7 @@ def m_bucket(m: int) -> int:
 TUNING: dict[tuple[int, int], dict[int, FusedAConfig]] = {
     (2112, 7168): {8: FusedAConfig(16, 8, 1, 4, True), 16: FusedAConfig(16, 8, 1, 4, True)},
     (1536, 7168): {8: FusedAConfig(16, 4, 2, 4, True), 16: FusedAConfig(16, 4, 2, 4, True)},
-    (576, 7168): {8: FusedAConfig(16, 4, 8, 4, True), 16: FusedAConfig(16, 4, 8, 4, True)},
+    (576, 7168): {8: FusedAConfig(16, 4, 8, 2, True), 16: FusedAConfig(16, 4, 8, 2, True)},
     (256, 7168): {8: FusedAConfig(16, 8, 8, 2, True), 16: FusedAConfig(16, 8, 8, 2, True)},
     (24576, 1536): {8: FusedAConfig(32, 4, 1, 4, True), 16: FusedAConfig(32, 4, 1, 2, True)},
 }

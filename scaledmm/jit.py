@@ -279,7 +279,15 @@ def cuda_include_dirs() -> tuple[str, ...]:
 # The locked build shared by both kinds
 # ----------------------------------------------------------------------------
 
-_PROCESS_LOCK = threading.RLock()
+_PROCESS_LOCK = threading.RLock()  # guards the dicts below (never held while compiling)
+_ENTRY_LOCKS: dict[str, threading.Lock] = {}
+
+
+def _entry_lock(entry: Path) -> threading.Lock:
+    """One lock per cache entry for the threads of this process (the file lock
+    orders processes); different entries build in parallel."""
+    with _PROCESS_LOCK:
+        return _ENTRY_LOCKS.setdefault(str(entry), threading.Lock())
 
 
 def _entry_dir(kind: str, name: str, key: str) -> Path:
@@ -306,7 +314,7 @@ def _locked_build(kind: str, name: str, key: str, artifact: str,
     from filelock import FileLock
 
     entry.parent.mkdir(parents=True, exist_ok=True)
-    with _PROCESS_LOCK, FileLock(str(entry) + ".lock", timeout=_LOCK_TIMEOUT_S):
+    with _entry_lock(entry), FileLock(str(entry) + ".lock", timeout=_LOCK_TIMEOUT_S):
         if target.is_file():  # another process built it while we waited
             return target
         log.info("scaledmm.jit: building %s '%s' (key %s) into %s", kind, name, key[:16], entry)

@@ -213,6 +213,8 @@ class NvFp4Linear(nn.Module):
         self.register_buffer("_global_scale", 1.0 / in_scale, persistent=False)
         self.register_buffer("_alpha", in_scale * scale_2, persistent=False)
         self.register_buffer("_weight_alpha", scale_2.clone(), persistent=False)
+        self.register_buffer("_amax_floor", torch.full_like(scale_2, _AMAX_FLOOR), persistent=False)
+        self.register_buffer("_range", torch.full_like(scale_2, _RANGE), persistent=False)
         self._n_pad, self._k_pad = n_pad, k_pad
         self._processed = True
 
@@ -223,9 +225,10 @@ class NvFp4Linear(nn.Module):
         (NaN/Inf must not change the other rows' scaling)."""
         finite = x2.float().abs().nan_to_num(nan=0.0, posinf=0.0)
         row_amax = finite.amax(dim=1)  # K > 0, so this is fine for M = 0
-        floor = row_amax.new_full((1,), _AMAX_FLOOR)
-        amax = torch.cat([row_amax, floor]).amax().reshape(1)
-        gs = _RANGE / amax
+        # The constants live in buffers: Python floats would be traced as
+        # symbolic floats under dynamic=True and cost a second trace.
+        amax = torch.cat([row_amax, self._amax_floor]).amax().reshape(1)
+        gs = self._range / amax
         return gs, self._weight_alpha / gs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
