@@ -86,10 +86,10 @@ def dynamo_graph(fn: Callable, args: tuple, dynamic: bool) -> torch.fx.GraphModu
 
 def inductor_code(fn: Callable, args: tuple, **options) -> str:
     """The Python wrapper code Inductor generates for ``fn(*args)``."""
-    from torch._inductor.utils import run_and_get_code
+    from torch._inductor.utils import fresh_cache, run_and_get_code
 
     torch._dynamo.reset()
     cfn = torch.compile(fn, fullgraph=True, dynamic=True, options=options or None)
-    with one_graph_for_all_m():
+    with one_graph_for_all_m(), fresh_cache():  # a cache hit would skip the passes
         _, code = run_and_get_code(cfn, *args)
     return "\n".join(code)

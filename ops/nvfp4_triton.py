@@ -297,27 +297,64 @@ _PTX_TO_BF16 = """
     cvt.rn.bf16x2.f32 ${j}, f1, f0;"""
 
 
-def _ptx_decoder(bf16: bool) -> str:
-    body = ["{", ".reg .b32 wh, wl, y, t, r;", ".reg .b16 h0, h1;", ".reg .f32 f0, f1;",
+# bf16 "direct" (config decode="ptx_direct"): the bf16 pattern sign << 15 |
+# mag << 6 is e2m1 * 2**-126 (0.5 becomes the bf16 subnormal 2**-127), and one
+# fma.rn.bf16x2 by s * 2**119 gives e2m1 * s * 2**-7, exact and normal.  One
+# instruction more per byte than the fp16 path but no conversions; it relies
+# on bf16 FMA keeping subnormal inputs, which the GPU tests check.
+_PTX_BYTE_BF16 = """
+    prmt.b32 y, wl, wh, {sel};
+    shr.b32 t, y, 6;
+    and.b32 t, t, 0x01C001C0;
+    lop3.b32 r, t, y, 0x80008000, 0xF8;
+    fma.rn.bf16x2 ${j}, r, ${s}, nz;"""
+
+
+def _ptx_decoder(kind: str) -> str:
+    body = ["{", ".reg .b32 wh, wl, y, t, r, nz;", ".reg .b16 h0, h1;", ".reg .f32 f0, f1;",
+            "mov.b32 nz, 0x80008000;",
             "and.b32 wh, $4, 0xF0F0F0F0;", "shl.b32 wl, $4, 4;", "and.b32 wl, wl, 0xF0F0F0F0;"]
+    byte = _PTX_BYTE_BF16 if kind == "bf16_direct" else _PTX_BYTE
     for j in range(4):
-        body.append(_PTX_BYTE.format(sel=hex(((4 + j) << 12) | (j << 8) | (j << 4) | j), j=j, s=5 + j))
-    if bf16:
+        body.append(byte.format(sel=hex(((4 + j) << 12) | (j << 8) | (j << 4) | j), j=j, s=5 + j))
+    if kind == "bf16":
         body += [_PTX_TO_BF16.format(j=j) for j in range(4)]
     return "\n".join(body + ["}"])
 
 
-_PTX_F16 = tl.constexpr(_ptx_decoder(bf16=False))
-_PTX_BF16 = tl.constexpr(_ptx_decoder(bf16=True))
+_PTX_F16 = tl.constexpr(_ptx_decoder("f16"))
+_PTX_BF16 = tl.constexpr(_ptx_decoder("bf16"))
+_PTX_BF16_DIRECT = tl.constexpr(_ptx_decoder("bf16_direct"))
+
+# Decoder selection (constexpr DECODE of the kernels) and the power of two
+# each one leaves on a decoded value (undone in the epilogue).
+DECODERS = ("triton", "ptx", "ptx_direct")
+
+
+def decode_fold(decode: str, dtype: torch.dtype) -> float:
+    """Factor that undoes the decoder's scaling of one operand."""
+    if decode == "triton":
+        return 1.0
+    if decode == "ptx_direct" and dtype == torch.bfloat16:
+        return 2.0 ** 7
+    return 2.0 ** 14
 
 
 @triton.jit
-def _decode_ptx(packed, scale2, DTYPE: tl.constexpr):
-    """Inline PTX: ``scale2`` is int32 ``[s : s]`` (fp16 pair); returns the
-    decoded values ``e2m1 * s * 2**-14`` (exact) in K order, ``[R, 2C]``."""
+def _decode_ptx(packed, scale2, DTYPE: tl.constexpr, DIRECT: tl.constexpr):
+    """Inline PTX: ``scale2`` is the int32 pair ``[s : s]`` (fp16 ``s``, or bf16
+    ``s * 2**119`` for the direct bf16 decoder); returns the decoded values
+    (exact, times ``2**-14`` or ``2**-7``) in K order, ``[R, 2C]``.
+
+    ``is_pure=False`` keeps Triton from hoisting the dot-operand layout
+    conversion above the decoder (it would then gather single bytes)."""
     if DTYPE == tl.bfloat16:
-        pair = tl.inline_asm_elementwise(_PTX_BF16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale2],
-                                         dtype=tl.int32, is_pure=False, pack=4)
+        if DIRECT:
+            pair = tl.inline_asm_elementwise(_PTX_BF16_DIRECT, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale2],
+                                             dtype=tl.int32, is_pure=False, pack=4)
+        else:
+            pair = tl.inline_asm_elementwise(_PTX_BF16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale2],
+                                             dtype=tl.int32, is_pure=False, pack=4)
     else:
         pair = tl.inline_asm_elementwise(_PTX_F16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale2],
                                          dtype=tl.int32, is_pure=False, pack=4)
@@ -329,7 +366,7 @@ def _decode_ptx(packed, scale2, DTYPE: tl.constexpr):
 @triton.jit
 def _load_fp4_tile(q_ptr, s_ptr, rows, R, row_stride, row_bytes, s_c4, kt,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   PTX: tl.constexpr, DTYPE: tl.constexpr):
+                   DECODE: tl.constexpr, DTYPE: tl.constexpr):
     """Decoded ``[BLOCK_R, BLOCK_K]`` tile (K-tile ``kt``) of a packed operand
     (``row_bytes = K / 2`` bytes per row, rows ``row_stride`` bytes apart) with
     swizzled scales; rows >= R and columns >= K read as zeros."""
@@ -353,11 +390,15 @@ def _load_fp4_tile(q_ptr, s_ptr, rows, R, row_stride, row_bytes, s_c4, kt,
         smask = smask & (((kt * (KG // 4) + g) * 4)[None, :, None] + j[None, None, :] < row_bytes // 8)
     sc = tl.load(s_ptrs, mask=smask, other=0).to(tl.float8e4nv, bitcast=True)
     sc = tl.reshape(sc, (BLOCK_R, KG))
-    if PTX:
+    if DECODE > 0:
         # [s : s] as one int32 per block, broadcast to its 8 bytes for free
-        s16 = sc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        if DECODE == 2 and DTYPE == tl.bfloat16:
+            s16 = (sc.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)  # s * 2**119
+        else:
+            s16 = sc.to(tl.float16)
+        s16 = s16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         s2 = tl.reshape(tl.broadcast_to((s16 | (s16 << 16))[:, :, None], (BLOCK_R, KG, 8)), (BLOCK_R, KB))
-        return _decode_ptx(packed, s2, DTYPE)
+        return _decode_ptx(packed, s2, DTYPE, DECODE == 2)
     sc = sc.to(tl.float32) * 16384.0
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_R, KG, 8)), (BLOCK_R, KB))
     lo, hi = _decode_triton(packed, sc, DTYPE)
@@ -388,8 +429,11 @@ class GemmConfig:
         Triton launch parameters.
     group_n : int
         Weight tiles per raster group (L2 reuse when there are many M tiles).
-    ptx_decode : bool
-        Inline-PTX decoder (GPU only) instead of the plain Triton one.
+    decode : str
+        ``"ptx"`` (inline PTX, GPU only, default), ``"ptx_direct"`` (same, but
+        bf16 operands decoded with bf16 arithmetic: fewer instructions, needs
+        bf16 subnormal inputs kept) or ``"triton"`` (plain Triton; the
+        interpreter's and the fallback).
     predecode_x : bool
         W4A4 only: decode the activation to fp16 once (its own launch), then
         run the W4A16 kernel; pays off when many weight tiles reuse it.
@@ -402,11 +446,12 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_n: int = 8
-    ptx_decode: bool = True
+    decode: str = "ptx"
     predecode_x: bool = False
 
     def label(self) -> str:
-        flags = ("ptx" if self.ptx_decode else "tt") + ("+pre" if self.predecode_x else "")
+        flags = {"ptx": "ptx", "ptx_direct": "ptxd", "triton": "tt"}.get(self.decode, self.decode)
+        flags += "+pre" if self.predecode_x else ""
         return (f"n{self.block_n}m{self.block_m}k{self.block_k}s{self.split_k}"
                 f"w{self.num_warps}st{self.num_stages}{flags}")
 
@@ -446,8 +491,10 @@ def config_ok(cfg: GemmConfig, p: Problem, device: torch.device | None = None) -
         return False, "num_stages and group_n must be >= 1"
     if cfg.predecode_x and w4a16:
         return False, "predecode_x applies to W4A4 only"
-    if cfg.ptx_decode and dev.type != "cuda":
-        return False, "the PTX decoder needs a CUDA device"
+    if cfg.decode not in DECODERS:
+        return False, f"decode must be one of {DECODERS}, got {cfg.decode!r}"
+    if cfg.decode != "triton" and dev.type != "cuda":
+        return False, "the PTX decoders need a CUDA device"
     if dev.type == "cuda" and smem_estimate(cfg, w4a16) > SMEM_BYTES:
         return False, f"needs about {smem_estimate(cfg, w4a16)} bytes of shared memory"
     return True, "ok"
@@ -487,9 +534,12 @@ def _split_for(cfg: GemmConfig, m: int, n: int, k: int, device: torch.device) ->
 
 
 def _portable(cfg: GemmConfig, p: Problem) -> GemmConfig:
-    """Drop what the device cannot run (PTX off the GPU or when disabled)."""
-    ptx = p.device.type == "cuda" and os.environ.get("SCALEDMM_NVFP4_TRITON_DECODE", "ptx") != "triton"
-    return dataclasses.replace(cfg, ptx_decode=cfg.ptx_decode and ptx)
+    """The decoder this device runs: ``SCALEDMM_NVFP4_TRITON_DECODE`` when set,
+    plain Triton off the GPU."""
+    decode = os.environ.get("SCALEDMM_NVFP4_TRITON_DECODE", cfg.decode)
+    if p.device.type != "cuda" or decode not in DECODERS:
+        decode = "triton"
+    return dataclasses.replace(cfg, decode=decode)
 
 
 def default_config(p: Problem) -> GemmConfig:
@@ -566,7 +616,7 @@ def _time_us(fn: Callable[[], object], reps: int = 20) -> float:
 def _gemm_kernel(w_ptr, ws_ptr, x_ptr, xs_ptr, out_ptr, bias_ptr, alpha_ptr, part_ptr, lock_ptr,
                  M, N, K, stride_xm, stride_om, ws_c4, xs_c4, fold,
                  X_FP4: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr,
-                 PTX: tl.constexpr, EVEN_K: tl.constexpr,
+                 DECODE: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, GROUP_N: tl.constexpr):
     # raster: groups of GROUP_N weight tiles, all M tiles of a group in turn
@@ -590,10 +640,10 @@ def _gemm_kernel(w_ptr, ws_ptr, x_ptr, xs_ptr, out_ptr, bias_ptr, alpha_ptr, par
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(kt0, kt1):
         w = _load_fp4_tile(w_ptr, ws_ptr, rn, N, K // 2, K // 2, ws_c4, kt, BLOCK_N, BLOCK_K, EVEN_K,
-                           PTX, DTYPE)
+                           DECODE, DTYPE)
         if X_FP4:
             x = _load_fp4_tile(x_ptr, xs_ptr, rm, M, stride_xm, K // 2, xs_c4, kt, BLOCK_M, BLOCK_K,
-                               EVEN_K, PTX, DTYPE)
+                               EVEN_K, DECODE, DTYPE)
         else:
             rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
             if EVEN_K:
@@ -642,7 +692,7 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, M, K, stride_qm, s_c4,
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kt = tl.program_id(1)
     x = _load_fp4_tile(q_ptr, s_ptr, rows, M, stride_qm, K // 2, s_c4, kt, BLOCK_M, BLOCK_K, False,
-                       False, tl.float16)
+                       0, tl.float16)
     rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], x,
              mask=(rows < M)[:, None] & (rk < K)[None, :])
@@ -677,9 +727,9 @@ def _launch(w, w_s, x, x_s, alpha, bias, out_dtype, cfg: GemmConfig, x_fp4: bool
         dtype = x.dtype
     if interpreting():
         dtype = torch.float32  # numpy's matmul has no bf16; fp32 products are exact too
-    fold = 1.0
-    if cfg.ptx_decode:
-        fold = 2.0 ** 28 if x_fp4 else 2.0 ** 14
+    fold = decode_fold(cfg.decode, dtype)
+    if x_fp4:
+        fold *= decode_fold(cfg.decode, dtype)
     split = cfg.split_k
     num_m = triton.cdiv(m, cfg.block_m)
     num_n = triton.cdiv(n, cfg.block_n)
@@ -693,7 +743,8 @@ def _launch(w, w_s, x, x_s, alpha, bias, out_dtype, cfg: GemmConfig, x_fp4: bool
         bias if bias is not None else out, alpha, part, lock,
         m, n, k, x.stride(0), out.stride(0), w_s.shape[1] // 4,
         x_s.shape[1] // 4 if x_fp4 else 0, fold,
-        X_FP4=x_fp4, HAS_BIAS=bias is not None, DTYPE=_TL_DTYPE[dtype], PTX=cfg.ptx_decode,
+        X_FP4=x_fp4, HAS_BIAS=bias is not None, DTYPE=_TL_DTYPE[dtype],
+        DECODE=DECODERS.index(cfg.decode),
         EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
         BLOCK_K=cfg.block_k, SPLIT_K=split, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

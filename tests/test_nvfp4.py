@@ -159,9 +159,11 @@ def quantized(rows: int, k: int, device="cpu", dtype=torch.float32, scale: float
     return x, q, s, gs
 
 
-def mm_ref64(a, b, sa, sb, alpha, bias=None):
-    """float64 ``alpha * deq(a) @ deq(b).T + bias`` and the accumulation bound."""
-    A, B = deq64(a, sa), deq64(b, sb)
+def mm_ref64(a, b, sa, sb, alpha, bias=None, B=None):
+    """float64 ``alpha * deq(a) @ deq(b).T + bias`` and the accumulation bound
+    (``B``: ``deq64(b, sb)`` when already computed)."""
+    A = deq64(a, sa)
+    B = deq64(b, sb) if B is None else B
     al = float(alpha.reshape(()))
     ref = al * (A @ B.t())
     bound = abs(al) * (A.abs() @ B.abs().t())
@@ -888,24 +890,24 @@ def test_cuda_quant_matches_spec(dtype, swizzle):
 @requires_cuda
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_mm_and_w4a16_vs_float64(out_dtype):
-    for n, k in ((96, 256), (40, 208), (4096, 4096)):
+    for n, k, ms in ((96, 256, (0, 1, 3, 17, 129, 300)), (40, 208, (1, 5, 130)), (4096, 4096, (1, 17, 129))):
         _, b, sb, gb = quantized(n, k, device="cuda")
+        B = deq64(b, sb)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        for m in (0, 1, 3, 17, 129, 300):
+        for m in ms:
             x, a, sa, ga = quantized(m, k, device="cuda", dtype=torch.bfloat16, scale=2.0)
             if m > 2:
                 x[1, 3] = float("nan")
                 a, sa = ops.nvfp4_quant(x, ga, True)
             alpha = (1 / ga) * (1 / gb)
             out = ops.nvfp4_mm(a, b, sa, sb, alpha, out_dtype, bias)
-            ref, bound = mm_ref64(a, b, sa, sb, alpha.cpu(), bias)
+            ref, bound = mm_ref64(a, b, sa, sb, alpha.cpu(), bias, B)
             nan_rows = torch.zeros(m, dtype=torch.bool)
             if m > 2:
                 nan_rows[1] = True
             check_gemm(out, ref, bound, k, out_dtype, nan_rows)
             xh = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = ops.nvfp4_w4a16_mm(xh, b, sb, 1 / gb, out_dtype, bias)
-            B = deq64(b, sb)
             X = xh.double().cpu()
             wa = float(1 / gb)
             check_gemm(out, wa * (X @ B.t()) + bias.double().cpu(), wa * (X.abs() @ B.abs().t()), k, out_dtype)
