@@ -1,4 +1,6 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, here)  # harness
+sys.path.insert(0, os.path.join(here, "..", "tests"))  # helpers

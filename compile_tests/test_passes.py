@@ -92,3 +92,29 @@ def test_fx_graph_cache_hits_with_the_pass():
     p = sc.passes()
     code = inductor_code(m, (x,), post_grad_custom_post_pass=p)
     assert p.stats["quant_gemm"] == 1 and "fp8_block_linear" in code
+
+
+def test_skinny_cond_lowered_to_dynamic_op():
+    w = torch.randn(64, 256, dtype=torch.bfloat16)
+
+    def f(x):
+        return scaledmm.skinny_linear(x, w)
+
+    p = sc.passes()
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    code = inductor_code(f, (x,), post_grad_custom_post_pass=p)
+    assert p.stats["size_conds"] == 1
+    assert "torch.ops.scaledmm.dynamic_skinny_linear.default" in code and "cond" not in code
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True, dynamic=True, options={"post_grad_custom_post_pass": sc.passes()})
+    with one_graph_for_all_m():
+        for m in (1, 5, 16, 17, 40, 0):
+            x = torch.randn(m, 256, dtype=torch.bfloat16)
+            torch.testing.assert_close(cf(x), f(x))
+    ref = torch.randn(3, 256, dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.ops.scaledmm.dynamic_skinny_linear(ref, w),
+                               torch.ops.scaledmm.dsv3_fused_a_gemm(ref, w), rtol=0, atol=0)
+    from helpers import opcheck
+
+    for m in (0, 3, 20):
+        opcheck(torch.ops.scaledmm.dynamic_skinny_linear.default, (torch.randn(m, 256, dtype=torch.bfloat16), w))

@@ -10,3 +10,9 @@ from scaledmm.ops import skinny as ops
 def _(x, weight, enable_pdl=False):
     ops.check_args(x, weight, enable_pdl)
     return ops.output(x, weight)
+
+
+@torch.library.register_fake("scaledmm::dynamic_skinny_linear")
+def _(x, weight):
+    ops.check_linear_args(x, weight)
+    return ops.linear_output(x, weight)

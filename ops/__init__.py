@@ -11,12 +11,17 @@ from . import skinny  # noqa: F401
 
 log = logging.getLogger("scaledmm")
 
-# Optional kernel backends: each registers itself; a missing dependency
-# (triton, cuda-python) leaves the family with its other backends.
-for _mod in ("fp8_block_triton", "fp8_block_cutlass", "nvfp4_triton", "skinny_fused_a"):
+# Kernel backends: each module registers itself.  One whose optional
+# dependency (triton, cuda-python) is missing, or that fails to load, leaves
+# its family with the other backends; `scaledmm.backends.report()` and
+# `BACKEND_LOAD_ERRORS` say why.
+BACKEND_MODULES = ("fp8_block_triton", "fp8_block_cutlass", "nvfp4_triton", "skinny_fused_a")
+BACKEND_LOAD_ERRORS: dict[str, str] = {}
+
+for _mod in BACKEND_MODULES:
     try:
         importlib.import_module(f"{__name__}.{_mod}")
-    except ModuleNotFoundError as e:  # module not written yet, or optional dep missing
-        if e.name and e.name.startswith(f"{__name__}.{_mod}"):
-            continue
-        log.debug("scaledmm: backend module %s not loaded: %s", _mod, e)
+    except Exception as e:  # noqa: BLE001 - an optional backend must not take the package down
+        BACKEND_LOAD_ERRORS[_mod] = f"{type(e).__name__}: {e}"
+        level = logging.DEBUG if isinstance(e, ModuleNotFoundError) else logging.WARNING
+        log.log(level, "scaledmm: backend module %s not loaded: %s", _mod, e)

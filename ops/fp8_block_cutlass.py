@@ -343,11 +343,17 @@ class _PortableSpec(jit.NvccLibrarySpec):
 def library_spec(cfg: CutlassConfig, out_dtype: torch.dtype = torch.bfloat16) -> jit.NvccLibrarySpec:
     """The build spec of ``cfg``'s library for ``out_dtype`` (builds nothing)."""
     include = cutlass_include_dir()
+    return _library_spec(cfg.build, out_dtype, None if include is None else str(include), cutlass_version())
+
+
+@functools.lru_cache(maxsize=None)
+def _library_spec(cfg: CutlassConfig, out_dtype: torch.dtype, include: str | None,
+                  version: str) -> jit.NvccLibrarySpec:
     return _PortableSpec(
-        name=f"fp8_block_cutlass_{cfg.build.name}_{_DTYPE_NAMES[out_dtype]}",
+        name=f"fp8_block_cutlass_{cfg.name}_{_DTYPE_NAMES[out_dtype]}",
         sources=(str(SOURCE),), options=NVCC_OPTIONS, arch="sm_90a",
-        include_dirs=(str(include),) if include is not None else (),
-        defines=tuple(cfg.defines(out_dtype).items()), extra_key=f"cutlass-{cutlass_version()}",
+        include_dirs=(include,) if include is not None else (),
+        defines=tuple(cfg.defines(out_dtype).items()), extra_key=f"cutlass-{version}",
     )
 
 
@@ -418,7 +424,8 @@ class CutlassLibrary:
             return
         with self._lock:
             if device_index not in self._prepared:
-                self._check(self._lib.smm_prepare(device_index, *self._err()), "smm_prepare")
+                buf = ctypes.create_string_buffer(_ERR_LEN)
+                self._check(self._lib.smm_prepare(device_index, buf, _ERR_LEN), "smm_prepare", buf)
                 self._prepared.add(device_index)
 
     def workspace_size(self, args: _Args) -> int:
@@ -432,32 +439,27 @@ class CutlassLibrary:
         buf = ctypes.create_string_buffer(_ERR_LEN)
         self._check(self._lib.smm_run(ctypes.byref(args), buf, _ERR_LEN), "smm_run", buf)
 
-    @staticmethod
-    def _err():
-        buf = ctypes.create_string_buffer(_ERR_LEN)
-        return buf, _ERR_LEN
-
     def _check(self, rc: int, what: str, buf=None) -> None:
         if rc != 0:
             msg = buf.value.decode() if buf is not None else ""
             raise RuntimeError(f"{self.name}: {what} failed (code {rc}): {msg}")
 
 
-_LIBS: dict[str, CutlassLibrary] = {}
+_LIBS: dict[tuple[CutlassConfig, torch.dtype], CutlassLibrary] = {}  # per process, loaded once
 _LIBS_LOCK = threading.Lock()
 
 
 def load_library(cfg: CutlassConfig, out_dtype: torch.dtype = torch.bfloat16) -> CutlassLibrary:
     """Build (first use, cached on disk) and load ``cfg``'s library."""
-    spec = library_spec(cfg, out_dtype)
-    lib = _LIBS.get(spec.key)
+    lib = _LIBS.get((cfg, out_dtype))
     if lib is None:
+        spec = library_spec(cfg, out_dtype)
         if cutlass_include_dir() is None and not spec.cached():
             raise RuntimeError(f"{spec.name}: CUTLASS headers not found (pip install nvidia-cutlass or set "
                                f"{ENV_CUTLASS_INCLUDE}) and no pre-built library in {jit.cache_dir()}")
         cdll = spec.load()
         with _LIBS_LOCK:
-            lib = _LIBS.setdefault(spec.key, CutlassLibrary(cdll, spec.name))
+            lib = _LIBS.setdefault((cfg, out_dtype), CutlassLibrary(cdll, spec.name))
     return lib
 
 

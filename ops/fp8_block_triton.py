@@ -151,10 +151,15 @@ def can_implement(p: Problem) -> tuple[bool, str]:
     return True, "any M, N, K"
 
 
-def _soft_fp8(device: torch.device) -> bool:
-    """No usable fp8 type: the interpreter's fp32->fp8 cast is not round to
-    nearest even, and sm80 has no e4m3 at all."""
-    return _INTERPRET or _capability(device) < (8, 9)
+def _fp8_mode(device: torch.device) -> tuple[bool, bool]:
+    """(soft_cvt, widen).  soft_cvt: encode fp32 -> e4m3 in integer code, where
+    Triton's cast is not round-to-nearest-even (the interpreter; sm89, which
+    goes through an fp16 rounded toward zero) or missing (sm80).  widen: no e4m3
+    type at all (sm80): operands travel as bytes, the dot runs in fp16."""
+    if _INTERPRET:
+        return True, False
+    cap = _capability(device)
+    return cap < (9, 0), cap < (8, 9)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -261,18 +266,23 @@ def m_bucket(m: int) -> int:
     return next((i for i, hi in enumerate(M_BUCKETS) if m <= hi), len(M_BUCKETS))
 
 
-# Per-bucket base tiles (sm90; sm8x's mma.sync tiles hold both operands in
-# registers, so they get 64x128 past the small buckets).  Split-K is derived
-# from N, K and the SM count so the weight stream is spread over enough
-# programs.  Measured overrides go in _TUNED, keyed (bucket, n, k, fused).
-_BUCKET_BASE = (
-    MMConfig(16, 64, swap_ab=True, num_warps=4, num_stages=6),
-    MMConfig(64, 64, swap_ab=True, num_warps=4, num_stages=5),
-    MMConfig(64, 128, num_warps=4, num_stages=4),
-    MMConfig(128, 128, num_warps=8, num_stages=4),
-    MMConfig(128, 128, num_warps=8, num_stages=4, tma=True),
-)
-_SM8X_LARGE = MMConfig(64, 128, num_warps=4, num_stages=3)
+# Per-bucket base tiles.  sm90 (and sm100) tiles feed wgmma; sm8x's mma.sync
+# tiles hold both operands of a 128-wide K step in registers, so they are
+# narrower (the fused quantizer needs registers too).  Split-K is derived from
+# N, K and the SM count so the weight stream is spread over enough programs.
+# Measured sm90 overrides go in _TUNED, keyed (bucket, n, k, fused).
+_BUCKET_BASE = {
+    True: (MMConfig(16, 64, swap_ab=True, num_warps=4, num_stages=6),
+           MMConfig(64, 64, swap_ab=True, num_warps=4, num_stages=5),
+           MMConfig(64, 128, num_warps=4, num_stages=4),
+           MMConfig(128, 128, num_warps=8, num_stages=4),
+           MMConfig(128, 128, num_warps=8, num_stages=4, tma=True)),
+    False: (MMConfig(16, 64, swap_ab=True, num_warps=4, num_stages=6),
+            MMConfig(32, 64, swap_ab=True, num_warps=4, num_stages=4),
+            MMConfig(64, 128, num_warps=4, num_stages=3),
+            MMConfig(64, 128, num_warps=4, num_stages=3),
+            MMConfig(64, 128, num_warps=4, num_stages=3)),
+}
 _TUNED: dict[tuple[int, int, int, bool], MMConfig] = {}
 _AUTOTUNED: dict[tuple, MMConfig] = {}
 
@@ -298,7 +308,9 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132, fused: bool = Fal
     b = m_bucket(m)
     cfg = _TUNED.get((b, n, k, fused)) if sm90 else None
     if cfg is None:
-        base_cfg = _BUCKET_BASE[b] if sm90 or b < 2 else _SM8X_LARGE
+        base_cfg = _BUCKET_BASE[sm90][b]
+        if fused and not sm90 and b >= 2:
+            base_cfg = dataclasses.replace(base_cfg, block_m=32, block_n=64)
         split = _split_for(m, n, k, base_cfg.block_m, base_cfg.block_n, num_sms)
         cfg = dataclasses.replace(base_cfg, split_k=split)
     if not config_ok(cfg, m, n, k, fused)[0]:  # e.g. a tiny K
@@ -344,11 +356,6 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = 132, fused: bool = 
 
 
 @triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _e4m3_soft(v):
     """fp32 in [-448, 448] (or NaN) -> e4m3 bits, round to nearest even, as uint8."""
     bits = v.to(tl.uint32, bitcast=True)
@@ -384,18 +391,21 @@ def _pow2_ceil(s, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows(x, eps, UE8M0: tl.constexpr, SOFT_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+def _quant_rows(x, eps, UE8M0: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr,
+                INTERPRET: tl.constexpr):
     """Quantize each row of an fp32 tile as one group (padding lanes must be 0).
 
-    Returns (codes, scales): codes are e4m3 (uint8 bits when SOFT_FP8)."""
-    amax = tl.reduce(tl.abs(x), 1, _max_nan)
+    Returns (codes, scales): codes are e4m3 (uint8 bits when WIDEN)."""
+    ax = tl.abs(x)
+    amax = tl.max(ax, 1)  # (NaN-blind on the GPU: add the NaN back explicitly)
+    amax = tl.where(tl.max((ax != ax).to(tl.int32), 1) > 0, float("nan"), amax)
     s = tl.math.div_rn(tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL), 448.0)
     if UE8M0:
         s = _pow2_ceil(s, INTERPRET)
     y = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    if SOFT_FP8:
+    if SOFT_CVT:
         q = _e4m3_soft(y)
-        if INTERPRET:  # the interpreter's fp8 dot is exact: keep an fp8 tile
+        if not WIDEN:
             q = q.to(tl.float8e4nv, bitcast=True)
     else:
         q = y.to(tl.float8e4nv)
@@ -406,7 +416,7 @@ def _quant_rows(x, eps, UE8M0: tl.constexpr, SOFT_FP8: tl.constexpr, INTERPRET: 
 def _quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, eps,
                   GROUP: tl.constexpr, GP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                   NUM_GROUPS: tl.constexpr, ROWS: tl.constexpr, UE8M0: tl.constexpr,
-                  SOFT_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+                  SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, GP)
     rmask = rows < M
@@ -416,7 +426,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, strid
         mask = rmask[:, None] & (cols < GROUP)[None, :] & (g < NUM_GROUPS)
         k = g * GROUP + cols
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
-        q, s = _quant_rows(x.to(tl.float32), eps, UE8M0, SOFT_FP8, INTERPRET)
+        q, s = _quant_rows(x.to(tl.float32), eps, UE8M0, SOFT_CVT, WIDEN, INTERPRET)
         tl.store(q_ptr + rows64[:, None] * stride_qm + k[None, :], q, mask=mask)
         tl.store(s_ptr + rows * stride_sm + g * stride_sg, s, mask=rmask & (g < NUM_GROUPS))
 
@@ -445,7 +455,7 @@ def _mm_tile(a, b, a_s, b_s, M, N, K, off_m, off_n, kb_lo, kb_hi,
              stride_am, stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              SWAP_AB: tl.constexpr, QUANT_A: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
-             EVEN_K: tl.constexpr, SOFT_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+             EVEN_K: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 accumulator of one output tile over K blocks [kb_lo, kb_hi)
     ([BLOCK_N, BLOCK_M] when SWAP_AB)."""
     offs_m = off_m + tl.arange(0, BLOCK_M)
@@ -481,14 +491,14 @@ def _mm_tile(a, b, a_s, b_s, M, N, K, off_m, off_n, kb_lo, kb_hi,
         else:
             b_t = tl.load(b_rows + k0, mask=n_mask[:, None] & (offs_k + k0 < K)[None, :], other=0.0)
         if QUANT_A:
-            a_t, sa = _quant_rows(a_t.to(tl.float32), eps, False, SOFT_FP8, INTERPRET)
+            a_t, sa = _quant_rows(a_t.to(tl.float32), eps, False, SOFT_CVT, WIDEN, INTERPRET)
         else:
             sa = tl.load(as_rows + kb * stride_ask, mask=m_mask, other=0.0)
         if BLOCK_N <= 128:
             sb = tl.load(bs_ptr + kb * stride_bsk)
         else:
             sb = tl.load(bs_ptr + kb * stride_bsk, mask=n_mask, other=0.0)
-        if SOFT_FP8 and not INTERPRET:  # sm80: fp16 operands hold value * 2**-8 each
+        if WIDEN:  # sm80: fp16 operands hold value * 2**-8 each
             a_t = _fp16_from_e4m3(a_t)
             b_t = _fp16_from_e4m3(b_t)
             sa = sa * 65536.0
@@ -533,7 +543,8 @@ def _mm_kernel(a, b, c, ws, a_s, b_s, bias, M, N, K,
                GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
                QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
                EVEN_K: tl.constexpr, PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
-               WARP_SPEC: tl.constexpr, SOFT_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+               WARP_SPEC: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr,
+               INTERPRET: tl.constexpr):
     kb_total = tl.cdiv(K, BLOCK_K)
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -543,7 +554,7 @@ def _mm_kernel(a, b, c, ws, a_s, b_s, bias, M, N, K,
             acc = _mm_tile(a, b, a_s, b_s, M, N, K, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, kb_total,
                            stride_am, stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
                            BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, QUANT_A, A_TMA, B_TMA, EVEN_K,
-                           SOFT_FP8, INTERPRET)
+                           SOFT_CVT, WIDEN, INTERPRET)
             _mm_store(acc, c, ws, bias, M, N, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, stride_cm,
                       BLOCK_M, BLOCK_N, SWAP_AB, 1, HAS_BIAS)
     else:
@@ -555,7 +566,7 @@ def _mm_kernel(a, b, c, ws, a_s, b_s, bias, M, N, K,
         acc = _mm_tile(a, b, a_s, b_s, M, N, K, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi,
                        stride_am, stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
                        BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, QUANT_A, A_TMA, B_TMA, EVEN_K,
-                       SOFT_FP8, INTERPRET)
+                       SOFT_CVT, WIDEN, INTERPRET)
         _mm_store(acc, c, ws, bias, M, N, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_k, stride_cm,
                   BLOCK_M, BLOCK_N, SWAP_AB, SPLIT_K, HAS_BIAS)
 
@@ -601,9 +612,9 @@ class _NullCtx:
 _NULL_CTX = _NullCtx()
 
 
-def _bytes_view(t: torch.Tensor, soft: bool) -> torch.Tensor:
+def _bytes_view(t: torch.Tensor, widen: bool) -> torch.Tensor:
     """fp8 tensors travel as bytes where Triton has no e4m3 type (sm80)."""
-    return t.view(torch.uint8) if soft and not _INTERPRET and t.dtype == FP8_DTYPE else t
+    return t.view(torch.uint8) if widen and t.dtype == FP8_DTYPE else t
 
 
 def per_token_group_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1e-10,
@@ -640,16 +651,16 @@ def per_token_group_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1
         s = torch.empty((g, V.round_up(m, 4)), dtype=torch.float32, device=x.device)[:, :m].t()
     if m == 0 or g == 0:
         return q, s
-    soft = _soft_fp8(x.device)
+    soft, widen = _fp8_mode(x.device)
     gp = _next_pow2(group_size)
     rows = min(16, _next_pow2(m))
     per_prog = max(1, min(g, 4096 // (rows * gp)))
     grid = (triton.cdiv(m, rows), triton.cdiv(g, per_prog))
     with _device_guard(x.device):
         _quant_kernel[grid](
-            x, _bytes_view(q, soft), s, m, x.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
+            x, _bytes_view(q, widen), s, m, x.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
             GROUP=group_size, GP=gp, GROUPS_PER_PROG=per_prog, NUM_GROUPS=g, ROWS=rows,
-            UE8M0=bool(scale_ue8m0), SOFT_FP8=soft, INTERPRET=_INTERPRET, num_warps=4)
+            UE8M0=bool(scale_ue8m0), SOFT_CVT=soft, WIDEN=widen, INTERPRET=_INTERPRET, num_warps=4)
     return q, s
 
 
@@ -677,7 +688,7 @@ def _pick_config(a, b, m, n, k, fused: bool, out_dtype) -> MMConfig:
             cfg = _AUTOTUNED[key] = autotune(m, n, k, a.device, fused, out_dtype)
         if cfg is not None:
             return cfg
-    return default_config(m, n, k, num_sms, fused, _capability(a.device)[0] == 9 or a.device.type == "cpu")
+    return default_config(m, n, k, num_sms, fused, _capability(a.device) >= (9, 0) or a.device.type == "cpu")
 
 
 def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, quant_a: bool,
@@ -695,12 +706,12 @@ def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, qua
     ok, why = config_ok(cfg, m, n, k, quant_a)
     if not ok:
         V.fail("fp8_block_mm", "config", "a valid MMConfig", f"{cfg} ({why})")
-    soft = _soft_fp8(dev)
+    soft, widen = _fp8_mode(dev)
     hopper_tma = dev.type == "cpu" or _capability(dev) >= (9, 0)
-    a_tma = cfg.tma and hopper_tma and not soft and _tma_ok(a)
-    b_tma = cfg.tma and hopper_tma and not soft and _tma_ok(b)
-    a_arg = _descriptor(a, cfg.block_m) if a_tma else _bytes_view(a, soft)
-    b_arg = _descriptor(b, cfg.block_n) if b_tma else _bytes_view(b, soft)
+    a_tma = cfg.tma and hopper_tma and _tma_ok(a)
+    b_tma = cfg.tma and hopper_tma and _tma_ok(b)
+    a_arg = _descriptor(a, cfg.block_m) if a_tma else _bytes_view(a, widen)
+    b_arg = _descriptor(b, cfg.block_n) if b_tma else _bytes_view(b, widen)
     split = cfg.split_k
     ws = torch.empty((split, m, n), dtype=torch.float32, device=dev) if split > 1 else out
     bias_arg = bias if bias is not None else out
@@ -722,7 +733,7 @@ def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, qua
             SPLIT_K=split, SWAP_AB=cfg.swap_ab, QUANT_A=quant_a, HAS_BIAS=bias is not None,
             A_TMA=a_tma, B_TMA=b_tma, EVEN_K=k % BLOCK_K == 0, PERSISTENT=cfg.persistent,
             NUM_PROGS=grid[0] if cfg.persistent else 1, WARP_SPEC=cfg.warp_specialize,
-            SOFT_FP8=soft, INTERPRET=_INTERPRET,
+            SOFT_CVT=soft, WIDEN=widen, INTERPRET=_INTERPRET,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if split > 1:
             block = 1024

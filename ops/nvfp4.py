@@ -250,10 +250,8 @@ def _check_k(op: str, arg: str, k, what: str) -> None:
         V.fail(op, arg, f"{what} to be a positive multiple of {BLOCK}", k)
 
 
-def quant_outputs(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ``nvfp4_quant`` arguments and allocate ``(q, s)``: uint8
-    ``[M, K/2]`` and e4m3 ``[M, K/16]`` (or its swizzled padded shape)."""
+def check_quant_args(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool) -> None:
+    """Validate ``nvfp4_quant`` arguments."""
     op = "nvfp4_quant"
     V.check_dtype(op, "x", x, V.ACT_DTYPES)
     V.check_rank(op, "x", x, 2)
@@ -263,6 +261,13 @@ def quant_outputs(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool
     if not isinstance(swizzle, bool):
         V.fail(op, "swizzle", "a bool", type(swizzle).__name__)
     V.check_same_device(op, x=x, global_scale=global_scale)
+
+
+def quant_outputs(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``nvfp4_quant`` arguments and allocate ``(q, s)``: uint8
+    ``[M, K/2]`` and e4m3 ``[M, K/16]`` (or its swizzled padded shape)."""
+    check_quant_args(x, global_scale, swizzle)
     m, k = x.shape
     q = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
     s_shape = swizzled_shape(m, k // BLOCK) if swizzle else (m, k // BLOCK)
@@ -440,7 +445,7 @@ def _torch_can_implement(p: Problem) -> tuple[bool, str]:
     if p.k % 32 != 0 or p.n % 16 != 0:
         return False, f"needs K % 32 == 0 and N % 16 == 0 (cuBLASLt FP4 alignment), got N={p.n}, K={p.k}"
     if p.m > 1 and p.a_row_stride % 32 != 0:
-        return False, f"needs an activation row stride that is a multiple of 32 elements (16 bytes), got {p.a_row_stride}"
+        return False, f"needs a row stride that is a multiple of 32 elements (16 bytes), got {p.a_row_stride}"
     return True, "aligned"
 
 
@@ -542,7 +547,7 @@ def flashinfer_cutedsl_mm(a, b, a_scales, b_scales, alpha, out_dtype, bias):
 
 
 def _quant_impl(x, global_scale, swizzle=True):
-    quant_outputs(x, global_scale, swizzle)
+    check_quant_args(x, global_scale, swizzle)
     return run(quant_problem(x, swizzle), "nvfp4_quant", x, global_scale, swizzle)
 
 

@@ -149,7 +149,34 @@ def _impl(x, weight, enable_pdl=False):
     return run(problem(x, weight, enable_pdl), OP, x, weight, enable_pdl)
 
 
+def linear_output(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The ``[M, N]`` output of ``dynamic_skinny_linear`` (x's dtype)."""
+    return torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+
+
+def check_linear_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    op = "dynamic_skinny_linear"
+    V.check_dtype(op, "x", x, V.ACT_DTYPES)
+    V.check_dtype(op, "weight", weight, x.dtype)
+    V.check_rank(op, "x", x, 2)
+    V.check_rank(op, "weight", weight, 2)
+    V.check_dim(op, "weight", weight, 1, x.shape[1], "K = x.shape[1]")
+    V.check_same_device(op, x=x, weight=weight)
+
+
+def _dynamic_linear_impl(x, weight):
+    check_linear_args(x, weight)
+    if x.shape[0] <= MAX_M and static_conditions_hold(x, weight):
+        return _impl(x, weight)
+    return torch.nn.functional.linear(x, weight)
+
+
 dsv3_fused_a_gemm = define(OP, "(Tensor x, Tensor weight, bool enable_pdl=False) -> Tensor", _impl)
+# What scaledmm.compile.passes() turns the `torch.cond(M <= 16, ...)` of
+# scaledmm.skinny_linear into: the same choice, made at run time, opaque to
+# Inductor (so CUDA graphs are kept).
+dynamic_skinny_linear = define("dynamic_skinny_linear", "(Tensor x, Tensor weight) -> Tensor",
+                               _dynamic_linear_impl)
 
 backends.register(Backend(
     FAMILY, "reference",

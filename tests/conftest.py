@@ -16,7 +16,7 @@ settings.register_profile(
 )
 settings.load_profile("default")
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from helpers import requires_cuda  # noqa: E402,F401  (tests import it from helpers)
 
 
 @pytest.fixture(autouse=True)

@@ -57,3 +57,8 @@ def devices():
     if torch.cuda.is_available():
         devs.append("cuda")
     return devs
+
+
+import pytest  # noqa: E402
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

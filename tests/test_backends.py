@@ -117,3 +117,18 @@ def test_cublas_gate_reasons_without_gpu():
     assert not ok and "CUDA" in why
     ok, why = b.can_implement(_problem(m=3))
     assert not ok and "M % 4" in why
+
+
+def test_backend_modules_load_when_their_dependencies_exist():
+    import importlib.util
+
+    from scaledmm import ops as ops_pkg
+
+    if importlib.util.find_spec("triton") is not None:
+        for mod in ("fp8_block_triton", "nvfp4_triton"):
+            assert mod not in ops_pkg.BACKEND_LOAD_ERRORS, ops_pkg.BACKEND_LOAD_ERRORS[mod]
+        assert "triton" in backends.names("fp8_block") and "triton" in backends.names("nvfp4")
+    if importlib.util.find_spec("cuda.bindings") is not None:
+        assert "skinny_fused_a" not in ops_pkg.BACKEND_LOAD_ERRORS, ops_pkg.BACKEND_LOAD_ERRORS
+        assert "fused_a" in backends.names("skinny")
+    assert "fp8_block_cutlass" not in ops_pkg.BACKEND_LOAD_ERRORS, ops_pkg.BACKEND_LOAD_ERRORS

@@ -15,7 +15,7 @@ import scaledmm  # noqa: F401  (registers the ops)
 from scaledmm import backends
 from scaledmm.ops import fp8 as F8
 
-from conftest import requires_cuda
+from helpers import requires_cuda
 from helpers import FP8, opcheck, poison_
 
 OPS = torch.ops.scaledmm

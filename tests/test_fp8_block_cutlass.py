@@ -15,7 +15,6 @@ each missing library is compiled on first use (about a minute each).
 import ctypes
 import dataclasses
 import math
-import os
 
 import pytest
 import torch

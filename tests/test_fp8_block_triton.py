@@ -86,27 +86,28 @@ def _codegen_main() -> None:
         os.unlink(f.name)
         return re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", out).group(0)
 
-    def build(cfg, m, n, k, fused, soft):
+    def build(cfg, m, n, k, fused, soft, widen):
         a = torch.empty(m, k, dtype=torch.bfloat16 if fused else torch.float8_e4m3fn)
         b = torch.empty(n, k, dtype=torch.float8_e4m3fn)
         out = torch.empty(m, n, dtype=torch.bfloat16)
         sa = torch.empty(m, math.ceil(k / 128))
         sb = torch.empty(math.ceil(n / 128), math.ceil(k / 128))
-        a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, 128]) if cfg.tma else T._bytes_view(a, soft)
-        b_arg = TensorDescriptor.from_tensor(b, [cfg.block_n, 128]) if cfg.tma else T._bytes_view(b, soft)
+        a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, 128]) if cfg.tma else T._bytes_view(a, widen)
+        b_arg = TensorDescriptor.from_tensor(b, [cfg.block_n, 128]) if cfg.tma else T._bytes_view(b, widen)
         return T._mm_kernel.warmup(
             a_arg, b_arg, out, out, out if fused else sa, sb, out, m, n, k, a.stride(0), b.stride(0),
             out.stride(0), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), 1e-10,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
             SWAP_AB=cfg.swap_ab, QUANT_A=fused, HAS_BIAS=False, A_TMA=cfg.tma, B_TMA=cfg.tma, EVEN_K=True,
-            PERSISTENT=cfg.persistent, NUM_PROGS=132, WARP_SPEC=cfg.warp_specialize, SOFT_FP8=soft,
-            INTERPRET=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
+            PERSISTENT=cfg.persistent, NUM_PROGS=132, WARP_SPEC=cfg.warp_specialize, SOFT_CVT=soft,
+            WIDEN=widen, INTERPRET=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
 
     failures = []
-    for cap in (90, 89, 80):
+    for cap in (90, 89, 80, 100):
         driver.set_active(OfflineDriver(cap))
-        soft = cap < 89
-        cfgs = [(T.default_config(m, n, k, 132, fused, cap == 90), m, n, k, fused)
+        T._mm_kernel.device_caches.clear()  # binders remember the target per device id
+        soft, widen = cap < 90, cap < 89
+        cfgs = [(T.default_config(m, n, k, 132, fused, cap >= 90), m, n, k, fused)
                 for m, n, k in ((1, 2112, 7168), (33, 576, 7168), (100, 24576, 1536), (300, 7168, 2048),
                                 (4096, 7168, 16384)) for fused in (False, True)]
         if cap == 90:
@@ -117,7 +118,7 @@ def _codegen_main() -> None:
         for cfg, m, n, k, fused in cfgs:
             if cfg.tma and cap < 90:
                 continue
-            kern = build(cfg, m, n, k, fused, soft)
+            kern = build(cfg, m, n, k, fused, soft, widen)
             ptx, ttgir, res = kern.asm["ptx"], kern.asm["ttgir"], usage(kern)
             line = f"sm{cap} {'fused' if fused else 'mm   '} M={m:<5} {cfg.short():<22} {res}"
             print(line)
@@ -132,6 +133,21 @@ def _codegen_main() -> None:
                 want.append(("warp_specialize", "warp_specialize" in ttgir))
             want.append(("no spills", " STACK:0 " in res + " " and "LOCAL:0" in res))
             failures += [f"{line}: missing {what}" for what, ok in want if not ok]
+        for ue8m0 in (False, True):  # the quantizer: exact division, RNE e4m3 conversion
+            x = torch.empty(64, 512, dtype=torch.bfloat16)
+            q = T._bytes_view(torch.empty(64, 512, dtype=torch.float8_e4m3fn), widen)
+            kern = T._quant_kernel.warmup(
+                x, q, torch.empty(64, 4), 64, 512, 512, 4, 1, 1e-10, GROUP=128, GP=128, GROUPS_PER_PROG=2,
+                NUM_GROUPS=4, ROWS=16, UE8M0=ue8m0, SOFT_CVT=soft, WIDEN=widen, INTERPRET=False, num_warps=4, grid=(1,))
+            ptx = kern.asm["ptx"]
+            line = f"sm{cap} quant ue8m0={ue8m0} {usage(kern)}"
+            print(line)
+            want = [("div.rn.f32", "div.rn.f32" in ptx), ("no div.full", "div.full" not in ptx),
+                    ("no lg2.approx", "lg2.approx" not in ptx or not ue8m0)]
+            if not soft:
+                want.append(("cvt e4m3 RNE", "cvt.rn.satfinite.e4m3x2.f32" in ptx))
+            failures += [f"{line}: missing {what}" for what, ok in want if not ok]
+        T._quant_kernel.device_caches.clear()
     print("\n".join(failures) if failures else "codegen ok")
 
 
@@ -353,7 +369,7 @@ if INNER == "interpret":
 
     # --------------------------------------------------------------- linear
 
-    @pytest.mark.parametrize("m", [1, 3, 17, 70])
+    @pytest.mark.parametrize("m", [1, 17, 40])
     @pytest.mark.parametrize("bias", [False, True])
     @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
     def test_fused_linear_equals_quant_then_mm(m, bias, out_dtype):

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from scaledmm.layers import Fp8Linear
 from scaledmm.ops import fp8 as F8
 
-from conftest import requires_cuda
+from helpers import requires_cuda
 from helpers import FP8
 
 OPS = torch.ops.scaledmm

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import scaledmm  # noqa: F401
 from scaledmm.layers import NvFp4Linear
 
-from conftest import requires_cuda
+from helpers import requires_cuda
 from test_nvfp4 import check_gemm, ref_decode_codes, ref_quant, ref_unpack, ref_unswizzle
 
 E4M3 = torch.float8_e4m3fn

@@ -18,11 +18,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import scaledmm
+import scaledmm  # noqa: F401  (registers the ops)
 from scaledmm import backends
 from scaledmm.ops import nvfp4 as N
 
-from conftest import requires_cuda
+from helpers import requires_cuda
 from helpers import opcheck
 
 ops = torch.ops.scaledmm

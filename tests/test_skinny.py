@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import requires_cuda
+from helpers import requires_cuda
 from helpers import opcheck, poison_
 from hypothesis import given, strategies as st
 

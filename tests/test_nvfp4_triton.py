@@ -1,0 +1,707 @@
+"""Tests of the NVFP4 Triton backend (``ops/nvfp4_triton.py``).
+
+Three groups:
+
+* Interpreter tests (``@interp``): the kernels run in Triton's CPU interpreter.
+  ``TRITON_INTERPRET`` must be set before Triton is first imported, and other
+  test files import Triton in compiled mode, so these tests never run in the
+  main pytest process: :func:`test_interpreter_suite` re-runs this file in a
+  subprocess with ``TRITON_INTERPRET=1`` (and ``SCALEDMM_NVFP4_INTERP_CHILD=1``),
+  where only they run.  Small shapes; the subprocess takes about a minute.
+* CPU tests of the GPU-only pieces: the inline-PTX decoders run on a small
+  PTX emulator over every byte value and every e4m3 scale; the config space.
+* GPU tests (``@requires_cuda``): full llama8b shapes, every decoder, odd M,
+  split-K, CUDA-graph capture and replay, torch.compile, opcheck.
+
+References are written here from SPEC.md, independently of ``ops/nvfp4.py``:
+the quantizer in float32 exactly as SPEC states it, with the e2m1 rounding done
+as a nearest-value search in float64 (ties to the even code); the GEMMs in
+float64 on the decoded operands.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import scaledmm
+from scaledmm.backends import Family, Problem
+from scaledmm.ops import nvfp4_triton as nt
+from helpers import opcheck, poison_, rel_err
+
+CHILD = os.environ.get("SCALEDMM_NVFP4_INTERP_CHILD") == "1"
+# GPU tests run in the main process only (the interpreter child would run them
+# on the interpreter, copying every tensor to the host)
+requires_cuda = pytest.mark.skipif(CHILD or not torch.cuda.is_available(), reason="needs a CUDA device")
+interp = pytest.mark.skipif(not CHILD, reason="runs in the interpreter subprocess (test_interpreter_suite)")
+parent = pytest.mark.skipif(CHILD, reason="main-process test")
+FP8 = torch.float8_e4m3fn
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------
+# SPEC references
+# ----------------------------------------------------------------------------
+
+
+def swz_offsets(rows: int, cols: int) -> torch.Tensor:
+    """SPEC's flat offset of S[r, c] in the swizzled layout, ``[R', C']`` int64."""
+    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
+    r = torch.arange(rp).view(-1, 1)
+    c = torch.arange(cp).view(1, -1)
+    return ((r // 128) * (cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+def swizzle(s: torch.Tensor) -> torch.Tensor:
+    rows, cols = s.shape
+    off = swz_offsets(rows, cols)
+    flat = torch.zeros(off.numel(), dtype=torch.uint8)
+    padded = torch.zeros(off.shape, dtype=torch.uint8)
+    padded[:rows, :cols] = s.view(torch.uint8)
+    flat[off.flatten()] = padded.flatten()
+    return flat.view(off.shape).view(FP8)
+
+
+def unswizzle(s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    off = swz_offsets(rows, cols)
+    return s.cpu().view(torch.uint8).flatten()[off.flatten()].view(off.shape)[:rows, :cols].view(FP8)
+
+
+def e2m1_nearest(v: torch.Tensor) -> torch.Tensor:
+    """Code (sign << 3 | index) of the nearest e2m1 value to ``v`` (|v| <= 6),
+    a tie going to the even index: a float64 nearest-value search."""
+    a = v.double().abs().unsqueeze(-1)
+    d = (a - E2M1).abs()
+    best = d.min(dim=-1, keepdim=True).values
+    cand = (d == best)
+    even = cand & (torch.arange(8) % 2 == 0)
+    idx = torch.where(even.any(-1), even.int().argmax(-1), cand.int().argmax(-1))
+    return idx.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def spec_quant(x: torch.Tensor, gs: torch.Tensor, swz: bool):
+    """SPEC's rule: fp32 arithmetic in the order written, torch's e4m3 cast
+    (nearest even) after clamping (saturation), nearest-even e2m1."""
+    x = x.cpu()
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 16, 16)
+    g = gs.cpu().float().reshape(())
+    amax = xb.abs().amax(-1)
+    s8 = (g * amax / 6.0).clamp(max=448.0).to(FP8)
+    sf = s8.float().unsqueeze(-1)
+    v = (xb * g / sf).clamp(-6.0, 6.0)
+    codes = torch.where(sf == 0, torch.zeros_like(v, dtype=torch.uint8), e2m1_nearest(v)).reshape(m, k)
+    q = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return q, (swizzle(s8) if swz else s8)
+
+
+def decode(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """float64 ``[R, K]`` values of packed codes with swizzled scales."""
+    q = q.cpu()
+    rows, k = q.shape[0], 2 * q.shape[1]
+    codes = torch.stack((q & 15, q >> 4), -1).reshape(rows, k).long()
+    val = E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
+    return val * unswizzle(s, rows, k // 16).double().repeat_interleave(16, dim=1)
+
+
+def ref_mm(xa: torch.Tensor, wb: torch.Tensor, alpha, bias) -> torch.Tensor:
+    """float64 ``alpha * xa @ wb.T (+ bias)`` on ``xa``'s device."""
+    out = (xa.double() @ wb.to(xa.device).double().t()) * float(alpha)
+    if bias is not None:
+        out = out + bias.to(out.device).double()
+    return out
+
+
+def quantized(rows: int, k: int, device, scale: float = 1.0, gs: float = 1.0, dtype=torch.float32):
+    x = (torch.randn(rows, k) * scale).to(dtype).to(device)
+    g = torch.tensor(gs, device=device)
+    q, s = spec_quant(x, g, True)
+    return q.to(device), s.to(device)
+
+
+# ----------------------------------------------------------------------------
+# The interpreter subprocess (main process)
+# ----------------------------------------------------------------------------
+
+
+@parent
+def test_interpreter_suite():
+    env = dict(os.environ, TRITON_INTERPRET="1", SCALEDMM_NVFP4_INTERP_CHILD="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=900)
+    tail = r.stdout[-6000:] + "\n" + r.stderr[-3000:]
+    assert r.returncode == 0, tail
+    assert " passed" in r.stdout and " failed" not in r.stdout, tail
+
+
+# ----------------------------------------------------------------------------
+# Interpreter: quantizer
+# ----------------------------------------------------------------------------
+
+
+def _poison_quant_outputs(monkeypatch):
+    real = nt.nv.quant_outputs
+
+    def poisoned(x, g, swz):
+        q, s = real(x, g, swz)
+        poison_(q)
+        poison_(s)
+        return q, s
+
+    monkeypatch.setattr(nt.nv, "quant_outputs", poisoned)
+
+
+@interp
+@pytest.mark.parametrize("m", [0, 1, 3, 17, 130])
+@pytest.mark.parametrize("swz", [True, False])
+def test_quant_exact(monkeypatch, m, swz):
+    _poison_quant_outputs(monkeypatch)  # the kernel must write every byte, pads included
+    x = torch.randn(m, 96, dtype=torch.bfloat16) * 3
+    gs = torch.tensor(448 * 6 / 7.0)
+    q, s = nt.quant(x, gs, swz)
+    q_ref, s_ref = spec_quant(x, gs, swz)
+    assert q.shape == q_ref.shape and s.shape == s_ref.shape
+    assert torch.equal(q, q_ref)
+    assert torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+    if swz and m:
+        assert s.shape == (-(-m // 128) * 128, 8)
+        assert not s.view(torch.uint8).flatten()[swz_offsets(m, 6)[m:].flatten()].any()
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_quant_dtypes_and_strided_rows(dtype):
+    wide = torch.randn(5, 80, dtype=dtype)
+    x = wide[:, 8:72]  # row stride 80 > K = 64
+    gs = torch.tensor(37.5)
+    q, s = nt.quant(x, gs, True)
+    q_ref, s_ref = spec_quant(x, gs, True)
+    assert torch.equal(q, q_ref) and torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+
+
+@interp
+def test_quant_ties_and_special_values():
+    # gs = 1: row 0 has amax 6, so s = 1 and every e2m1 midpoint is hit exactly
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5,
+                         -3.5, -5.0, -6.0])
+    rows = [mids,
+            torch.zeros(16),                                    # s = 0 -> all codes 0
+            torch.full((16,), 1e-30),                           # s underflows to 0
+            torch.tensor([1e30] + [1.0] * 15),                  # saturates at 448
+            torch.tensor([3e-2] + [-1e-2] * 15),                # e4m3 subnormal scale
+            torch.tensor([float("inf")] + [2.0] * 15),
+            torch.tensor([-0.0] * 8 + [1.0] * 8)]               # -0 keeps its sign bit
+    x = torch.stack(rows)
+    gs = torch.tensor(1.0)
+    q, s = nt.quant(x, gs, False)
+    q_ref, s_ref = spec_quant(x, gs, False)
+    assert torch.equal(q, q_ref) and torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+    assert s[0].float().item() == 1.0 and s[1].float().item() == 0.0 and s[3].float().item() == 448.0
+    # NaN: its block's scale is NaN, the other blocks and rows are untouched
+    xn = x.clone()
+    xn[2, 3] = float("nan")
+    xn = torch.cat([xn, torch.randn(7, 16)], 1)  # K = 32: a second block per row
+    qn, sn = nt.quant(xn, gs, False)
+    qr, sr = spec_quant(xn, gs, False)
+    assert torch.isnan(sn[2, 0].float())
+    keep = torch.ones(7, 32, dtype=torch.bool)
+    keep[2, :16] = False
+    assert torch.equal(sn.view(torch.uint8)[keep[:, ::16]], sr.view(torch.uint8)[keep[:, ::16]])
+    assert torch.equal(qn[keep[:, ::2]], qr[keep[:, ::2]])
+
+
+@interp
+@settings(max_examples=12)
+@given(m=st.integers(0, 40), groups=st.integers(1, 10), log_scale=st.integers(-12, 12),
+       log_gs=st.integers(-4, 12), swz=st.booleans(), pad=st.integers(0, 3),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+def test_quant_hypothesis(m, groups, log_scale, log_gs, swz, pad, dtype):
+    k = 16 * groups
+    wide = (torch.randn(m, k + 16 * pad) * 2.0 ** log_scale).to(dtype)
+    x = wide[:, :k]
+    gs = torch.tensor(2.0 ** log_gs * 1.37)
+    q, s = nt.quant(x, gs, swz)
+    q_ref, s_ref = spec_quant(x, gs, swz)
+    assert torch.equal(q, q_ref) and torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+
+
+@interp
+def test_quant_matches_op_reference():
+    x = torch.randn(9, 128)
+    gs = torch.tensor(200.0)
+    q, s = nt.quant(x, gs, True)
+    q2, s2 = nt.nv.reference_quant(x, gs, True)
+    assert torch.equal(q, q2) and torch.equal(s.view(torch.uint8), s2.view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------
+# Interpreter: GEMMs
+# ----------------------------------------------------------------------------
+
+
+def _poison_mm_output(monkeypatch):
+    real = nt.nv.mm_output
+    monkeypatch.setattr(nt.nv, "mm_output", lambda a, b, dt: poison_(real(a, b, dt)))
+
+
+TT = "triton"
+INTERP_CONFIGS = [
+    nt.GemmConfig(16, 16, 64, decode=TT),
+    nt.GemmConfig(32, 16, 128, split_k=2, decode=TT),
+    nt.GemmConfig(16, 32, 64, split_k=3, group_n=2, decode=TT),
+]
+
+
+@interp
+@pytest.mark.parametrize("cfg", INTERP_CONFIGS + [nt.GemmConfig(16, 16, 64, decode=TT, predecode_x=True)],
+                         ids=lambda c: c.label())
+@pytest.mark.parametrize("m", [0, 1, 3, 17])
+def test_w4a4_exact(monkeypatch, cfg, m):
+    _poison_mm_output(monkeypatch)
+    n, k = 40, 160  # N, K not multiples of the tiles; K % 64 != 0
+    qa, sa = quantized(m, k, "cpu", scale=3.0, gs=10.0)
+    qb, sb = quantized(n, k, "cpu", scale=0.1, gs=3000.0)
+    alpha = torch.tensor(0.37)
+    bias = torch.randn(n)
+    out = nt.run_mm(qa, qb, sa, sb, alpha, torch.float32, bias, cfg)
+    ref = ref_mm(decode(qa, sa), decode(qb, sb), alpha, bias)
+    assert out.shape == (m, n) and not out.isnan().any()
+    if m:
+        assert rel_err(out, ref) < 1e-5
+
+
+@interp
+@pytest.mark.parametrize("cfg", INTERP_CONFIGS, ids=lambda c: c.label())
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16])
+def test_w4a16_exact(monkeypatch, cfg, xdtype):
+    _poison_mm_output(monkeypatch)
+    m, n, k = 17, 24, 96
+    wide = torch.randn(m, k + 32).to(xdtype)
+    x = wide[:, 16:16 + k]  # strided rows
+    qb, sb = quantized(n, k, "cpu", scale=0.5, gs=500.0)
+    alpha = torch.tensor(1.5)
+    out = nt.run_w4a16(x, qb, sb, alpha, torch.float32, None, cfg)
+    ref = ref_mm(x.double(), decode(qb, sb), alpha, None)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-5
+
+
+@interp
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_mm_half_outputs_and_bias_dtypes(out_dtype):
+    m, n, k = 5, 48, 64
+    qa, sa = quantized(m, k, "cpu")
+    qb, sb = quantized(n, k, "cpu", gs=100.0)
+    bias = torch.randn(n).to(out_dtype)
+    out = nt.run_mm(qa, qb, sa, sb, torch.tensor(0.01), out_dtype, bias, INTERP_CONFIGS[0])
+    ref = ref_mm(decode(qa, sa), decode(qb, sb), 0.01, bias)
+    assert out.dtype == out_dtype
+    # one rounding to out_dtype (the interpreter truncates bf16: 2 ulps)
+    assert ((out.double() - ref).abs() <= 2 * 2.0 ** -7 * ref.abs() + 1e-6).all()
+
+
+@interp
+@settings(max_examples=8)
+@given(m=st.integers(1, 20), n=st.integers(1, 40), groups=st.integers(1, 9), w4a16=st.booleans(),
+       cfg=st.sampled_from(INTERP_CONFIGS), log_ws=st.integers(-8, 8))
+def test_mm_hypothesis(m, n, groups, w4a16, cfg, log_ws):
+    k = 16 * groups
+    qb, sb = quantized(n, k, "cpu", scale=2.0 ** log_ws, gs=448 * 6 / 2.0 ** (log_ws + 2))
+    alpha = torch.tensor(0.5)
+    if w4a16:
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        out = nt.run_w4a16(x, qb, sb, alpha, torch.float32, None, cfg)
+        ref = ref_mm(x.double(), decode(qb, sb), alpha, None)
+    else:
+        qa, sa = quantized(m, k, "cpu", scale=3.0, gs=100.0)
+        out = nt.run_mm(qa, qb, sa, sb, alpha, torch.float32, None, cfg)
+        ref = ref_mm(decode(qa, sa), decode(qb, sb), alpha, None)
+    assert rel_err(out, ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------
+# Interpreter: through the ops (registry, opcheck, compile, fake tensors, errors)
+# ----------------------------------------------------------------------------
+
+
+def _op_args(m=3, n=32, k=64, device="cpu"):
+    qa, sa = quantized(m, k, device)
+    qb, sb = quantized(n, k, device, gs=50.0)
+    return qa, qb, sa, sb, torch.tensor(0.25, device=device)
+
+
+@interp
+def test_backend_is_selected_and_supported():
+    dev = torch.device("cpu")
+    assert nt.is_supported(dev)[0]
+    p = Problem(Family.NVFP4, dev, 3, 32, 64, torch.uint8, torch.bfloat16, 64, (("bias", False), ("w4a16", False)))
+    assert scaledmm.backends.get("nvfp4", "triton").check(p)[0]
+    with scaledmm.use_backend("nvfp4", "triton") as b:
+        assert b.name == "triton"
+        qa, qb, sa, sb, alpha = _op_args()
+        out = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha, torch.float32)
+    assert rel_err(out, ref_mm(decode(qa, sa), decode(qb, sb), alpha, None)) < 1e-5
+
+
+@interp
+def test_ops_opcheck():
+    qa, qb, sa, sb, alpha = _op_args()
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with scaledmm.use_backend("nvfp4", "triton"):
+        opcheck(torch.ops.scaledmm.nvfp4_quant.default, (x, torch.tensor(30.0), True))
+        opcheck(torch.ops.scaledmm.nvfp4_quant.default, (x, torch.tensor(30.0), False))
+        opcheck(torch.ops.scaledmm.nvfp4_mm.default, (qa, qb, sa, sb, alpha, torch.bfloat16, torch.randn(32)))
+        opcheck(torch.ops.scaledmm.nvfp4_w4a16_mm.default, (x, qb, sb, alpha, torch.float16, None))
+
+
+@interp
+def test_ops_compile_dynamic_and_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    qa, qb, sa, sb, alpha = _op_args(m=5)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    gs = torch.tensor(4.0)
+
+    def f(x, gs, qb, sb, alpha):  # custom ops only: Inductor needs no C++ compiler
+        q, s = torch.ops.scaledmm.nvfp4_quant(x, gs)
+        return torch.ops.scaledmm.nvfp4_mm(q, qb, s, sb, alpha, torch.float32)
+
+    with scaledmm.use_backend("nvfp4", "triton"):
+        eager = f(x, gs, qb, sb, alpha)
+        compiled = torch.compile(f, fullgraph=True, dynamic=True)
+        for m in (5, 3, 0):
+            xm = x[:m].contiguous()
+            assert torch.equal(compiled(xm, gs, qb, sb, alpha), f(xm, gs, qb, sb, alpha))
+    assert eager.shape == (5, 32)
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(torch.empty(7, 64, dtype=torch.bfloat16))
+        q, s = torch.ops.scaledmm.nvfp4_quant(fx, mode.from_tensor(alpha))
+        assert q.shape == (7, 32) and s.shape == (128, 4) and s.dtype == FP8
+
+
+@interp
+def test_ops_bad_inputs_raise():
+    qa, qb, sa, sb, alpha = _op_args()
+    with scaledmm.use_backend("nvfp4", "triton"):
+        with pytest.raises(ValueError, match="b_scales"):
+            torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb[:64], alpha)
+        with pytest.raises(ValueError, match="x"):
+            torch.ops.scaledmm.nvfp4_quant(torch.randn(2, 24), alpha, True)
+        with pytest.raises(ValueError, match="alpha"):
+            torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, torch.ones(2))
+
+
+# ----------------------------------------------------------------------------
+# CPU: the inline-PTX decoders on a PTX emulator, the config space
+# ----------------------------------------------------------------------------
+
+
+def _f16(bits):
+    return np.asarray(bits, dtype=np.uint16).view(np.float16)
+
+
+def _to_bf16_bits(v):
+    return torch.from_numpy(np.asarray(v, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy() \
+        .astype(np.uint32) & 0xFFFF
+
+
+def _bf16_f64(bits):
+    return (np.asarray(bits, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _emulate(asm: str, regs: dict) -> dict:
+    """Vectorized emulation (uint32 numpy arrays) of the PTX the decoders use."""
+    env = dict(regs)
+
+    def val(t):
+        t = t.strip()
+        return np.uint32(int(t, 16)) if t.startswith("0x") else env[t]
+
+    for line in asm.split("\n"):
+        line = line.strip().rstrip(";")
+        if not line or line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if rest.startswith("{"):  # mov.b32 {h0, h1}, src
+            lo_hi, src = rest.split("},")
+            h0, h1 = (t.strip() for t in lo_hi.strip("{ ").split(","))
+            env[h0], env[h1] = val(src) & 0xFFFF, val(src) >> 16
+            continue
+        a = [t.strip() for t in rest.split(",")]
+        if op == "mov.b32":
+            env[a[0]] = val(a[1]) + np.zeros_like(env["$4"])
+        elif op == "and.b32":
+            env[a[0]] = val(a[1]) & val(a[2])
+        elif op == "shl.b32":
+            env[a[0]] = (val(a[1]) << np.uint32(int(a[2]))) & np.uint32(0xFFFFFFFF)
+        elif op == "shr.b32":
+            env[a[0]] = val(a[1]) >> np.uint32(int(a[2]))
+        elif op == "prmt.b32":  # default mode: selector nibble i picks byte i
+            x, y, sel = val(a[1]), val(a[2]), int(a[3], 16)
+            pool = [(x >> np.uint32(8 * i)) & 0xFF for i in range(4)] + [(y >> np.uint32(8 * i)) & 0xFF for i in range(4)]
+            out = np.zeros_like(x)
+            for i in range(4):
+                nib = (sel >> (4 * i)) & 0xF
+                byte = pool[nib & 7]
+                if nib & 8:
+                    byte = np.where(byte & 0x80, np.uint32(0xFF), np.uint32(0))
+                out |= byte << np.uint32(8 * i)
+            env[a[0]] = out
+        elif op == "lop3.b32":
+            x, y, z, lut = val(a[1]), val(a[2]), val(a[3]), int(a[4], 16)
+            out = np.zeros_like(x)
+            for idx in range(8):
+                if lut >> idx & 1:
+                    fx = x if idx & 4 else ~x
+                    fy = y if idx & 2 else ~y
+                    fz = z if idx & 1 else ~z
+                    out |= fx & fy & fz
+            env[a[0]] = out
+        elif op == "mul.rn.f16x2":  # fp16 x fp16 is exact in fp32, one rounding to fp16
+            x, y = val(a[1]), val(a[2])
+            lo = (_f16(x & 0xFFFF).astype(np.float32) * _f16(y & 0xFFFF).astype(np.float32)).astype(np.float16)
+            hi = (_f16(x >> 16).astype(np.float32) * _f16(y >> 16).astype(np.float32)).astype(np.float16)
+            env[a[0]] = lo.view(np.uint16).astype(np.uint32) | (hi.view(np.uint16).astype(np.uint32) << 16)
+        elif op == "fma.rn.bf16x2":  # exact in float64, one rounding to bf16
+            x, y, z = val(a[1]), val(a[2]), val(a[3])
+            halves = [_bf16_f64((x >> s) & 0xFFFF) * _bf16_f64((y >> s) & 0xFFFF) + _bf16_f64((z >> s) & 0xFFFF)
+                      for s in (np.uint32(0), np.uint32(16))]
+            env[a[0]] = _to_bf16_bits(halves[0]) | (_to_bf16_bits(halves[1]) << 16)
+        elif op == "cvt.f32.f16":
+            env[a[0]] = _f16(val(a[1])).astype(np.float32)
+        elif op == "cvt.rn.bf16x2.f32":
+            env[a[0]] = _to_bf16_bits(env[a[2]]) | (_to_bf16_bits(env[a[1]]) << 16)
+        else:
+            raise AssertionError(f"emulator lacks {op}")
+    return env
+
+
+@parent
+@pytest.mark.parametrize("kind", ["f16", "bf16", "bf16_direct"])
+def test_ptx_decoders_on_emulator(kind):
+    """Every byte value with every finite e4m3 scale: the PTX gives the fp16 /
+    bf16 pair [hi * s : lo * s] * 2**-fold of byte j, bit for bit (signs too)."""
+    asm = {"f16": nt._PTX_F16, "bf16": nt._PTX_BF16, "bf16_direct": nt._PTX_BF16_DIRECT}[kind].value
+    scales = torch.arange(0, 127, dtype=torch.int32).to(torch.uint8).view(FP8).double()  # 0 .. 448
+    byte = np.repeat(np.arange(256, dtype=np.uint32), len(scales))
+    sc = np.tile(scales.numpy(), 256)
+    rng = np.random.default_rng(0)
+    other = rng.integers(0, 256, (3, byte.size), dtype=np.uint32)
+    regs = {}
+    for j in range(4):  # put the byte under test at every position j
+        pos = [other[(j + i) % 3] for i in range(3)]
+        bytes4 = pos[:j] + [byte] + pos[j:]
+        regs[j] = bytes4[0] | (bytes4[1] << 8) | (bytes4[2] << 16) | (bytes4[3] << 24)
+    if kind == "bf16_direct":
+        s_bits = _to_bf16_bits(sc * 2.0 ** 119)
+        fold = 2.0 ** 7
+    else:
+        s_bits = np.asarray(sc, np.float16).view(np.uint16).astype(np.uint32)
+        fold = 2.0 ** 14
+    s_pair = s_bits | (s_bits << 16)
+    codes = torch.from_numpy(byte.astype(np.int64))
+    lo_c, hi_c = codes & 15, codes >> 4
+    val = lambda c: (E2M1[c & 7] * torch.where(c >= 8, -1.0, 1.0).double()).numpy()  # noqa: E731
+    want_lo, want_hi = val(lo_c) * sc, val(hi_c) * sc
+    for j in range(4):
+        env = _emulate(asm, {"$4": regs[j], "$5": s_pair, "$6": s_pair, "$7": s_pair, "$8": s_pair})
+        out = env[f"${j}"]
+        if kind == "f16":
+            lo, hi = _f16(out & 0xFFFF).astype(np.float64), _f16(out >> 16).astype(np.float64)
+        else:
+            lo, hi = _bf16_f64(out & 0xFFFF), _bf16_f64(out >> 16)
+        np.testing.assert_array_equal(lo * fold, want_lo)
+        np.testing.assert_array_equal(hi * fold, want_hi)
+        np.testing.assert_array_equal(np.signbit(lo), np.signbit(want_lo))
+        np.testing.assert_array_equal(np.signbit(hi), np.signbit(want_hi))
+
+
+def _problem(m, n=4096, k=4096, w4a16=False, device="cpu"):
+    return Problem(Family.NVFP4, torch.device(device), m, n, k, torch.bfloat16 if w4a16 else torch.uint8,
+                   torch.bfloat16, k, (("bias", False), ("w4a16", w4a16)))
+
+
+def test_config_predicate():
+    p = _problem(16)
+    assert nt.config_ok(nt.GemmConfig(64, 16, 256, decode="triton"), p)[0]
+    bad = [nt.GemmConfig(48, 16, 256, decode="triton"),           # not a power of two
+           nt.GemmConfig(64, 8, 256, decode="triton"),            # block_m < 16
+           nt.GemmConfig(64, 16, 32, decode="triton"),            # block_k < 64
+           nt.GemmConfig(64, 16, 256, split_k=17, decode="triton"),
+           nt.GemmConfig(64, 16, 256),                            # PTX decoder on the CPU
+           nt.GemmConfig(64, 16, 256, decode="nope")]
+    for cfg in bad:
+        assert not nt.config_ok(cfg, p)[0], cfg
+    assert not nt.config_ok(nt.GemmConfig(64, 16, 256, decode="triton", predecode_x=True),
+                            _problem(16, w4a16=True))[0]
+    big = nt.GemmConfig(256, 256, 512, num_stages=8)
+    assert not nt.config_ok(big, _problem(4096, device="cuda"), torch.device("cuda"))[0]  # shared memory
+
+
+def test_default_and_candidate_configs_are_valid():
+    for m in (1, 16, 17, 64, 65, 256, 257, 4096):
+        for w4a16 in (False, True):
+            p = _problem(m, w4a16=w4a16)
+            cfg = nt.default_config(p)
+            assert nt.config_ok(cfg, p)[0] and cfg.decode == "triton"
+            assert all(nt.config_ok(c, p)[0] for c in nt.candidate_configs(p))
+    for m, b in ((1, 0), (16, 0), (17, 1), (64, 1), (65, 2), (256, 2), (257, 3)):
+        assert nt.m_bucket(m) == b
+    for b, cfg in nt.DEFAULT_CONFIGS.items():
+        for w4a16 in (False, True):
+            ok, why = nt.config_ok(cfg, _problem(16, w4a16=w4a16, device="cuda"), torch.device("cuda"))
+            assert ok, (b, why)
+
+
+@parent
+def test_not_supported_on_cpu_without_interpreter():
+    if nt.interpreting():
+        pytest.skip("TRITON_INTERPRET is set in this process")
+    ok, why = nt.is_supported(torch.device("cpu"))
+    assert not ok and "TRITON_INTERPRET" in why
+
+
+# ----------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------
+
+LLAMA8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+GPU_DECODES = ["ptx", "ptx_direct", "triton"]
+
+
+@requires_cuda
+@pytest.mark.parametrize("m", [1, 3, 17, 130, 1000])
+@pytest.mark.parametrize("swz", [True, False])
+def test_gpu_quant_exact(m, swz):
+    x = (torch.randn(m, 7168, device="cuda") * 4).to(torch.bfloat16)
+    x[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)  # ties (s = 1)
+    gs = torch.tensor(1.0, device="cuda")
+    q, s = nt.quant(x, gs, swz)
+    q_ref, s_ref = spec_quant(x, gs, swz)
+    assert torch.equal(q.cpu(), q_ref)
+    assert torch.equal(s.view(torch.uint8).cpu(), s_ref.view(torch.uint8))
+
+
+def _gpu_case(m, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qa, sa = spec_quant(torch.randn(m, k, generator=g) * 2, torch.tensor(300.0), True)
+    qb, sb = spec_quant(torch.randn(n, k, generator=g) * 0.02, torch.tensor(40000.0), True)
+    return [t.cuda() for t in (qa, sa, qb, sb)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("n,k", LLAMA8B)
+@pytest.mark.parametrize("m", [1, 16, 17, 130])
+def test_gpu_w4a4_default_config(monkeypatch, n, k, m):
+    _poison_mm_output(monkeypatch)
+    qa, sa, qb, sb = _gpu_case(m, n, k)
+    alpha = torch.tensor(1 / (300.0 * 40000.0), device="cuda")
+    bias = torch.randn(n, device="cuda")
+    with scaledmm.use_backend("nvfp4", "triton"):
+        out = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha, torch.float32, bias)
+    ref = ref_mm(decode(qa, sa).cuda(), decode(qb, sb).cuda(), alpha.item(), bias)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-5
+
+
+@requires_cuda
+@pytest.mark.parametrize("decode_mode", GPU_DECODES)
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 64, 300])
+def test_gpu_w4a16_decoders(decode_mode, xdtype, m):
+    n, k = 1000, 1536
+    _, _, qb, sb = _gpu_case(1, n, k, seed=m)
+    # tiny block scales too: products land in the fp16 / bf16 subnormal range
+    sb_tiny = sb.view(torch.uint8).clone()
+    sb_tiny[:64] = (sb_tiny[:64] % 8)  # e4m3 subnormal scales
+    sb_tiny = sb_tiny.view(FP8)
+    x = torch.randn(m, k, device="cuda").to(xdtype)
+    for scales in (sb, sb_tiny):
+        ref = ref_mm(x.double(), decode(qb, scales).cuda(), 2.0, None)
+        for cfg in (nt.GemmConfig(64, 16, 256, decode=decode_mode, num_stages=4),
+                    nt.GemmConfig(128, 64, 64, split_k=2, decode=decode_mode, num_warps=8),
+                    nt.GemmConfig(64, 32, 128, split_k=3, decode=decode_mode)):
+            out = nt.run_w4a16(x, qb, scales, torch.tensor(2.0, device="cuda"), torch.float32, None, cfg)
+            assert rel_err(out, ref) < 1e-5, (cfg.label(), rel_err(out, ref))
+
+
+@requires_cuda
+@pytest.mark.parametrize("cfg", [nt.GemmConfig(64, 16, 256, num_stages=4),
+                                 nt.GemmConfig(128, 128, 64, num_warps=8),
+                                 nt.GemmConfig(128, 256, 64, num_warps=8, predecode_x=True),
+                                 nt.GemmConfig(64, 16, 128, split_k=4),
+                                 nt.GemmConfig(64, 32, 128, decode="triton")], ids=lambda c: c.label())
+@pytest.mark.parametrize("m", [1, 3, 129, 1000])
+def test_gpu_w4a4_configs(cfg, m):
+    n, k = 520, 2080  # N % 64 != 0, K % 64 != 0
+    qa, sa, qb, sb = _gpu_case(m, n, k, seed=m)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    out = nt.run_mm(qa, qb, sa, sb, torch.tensor(1e-4, device="cuda"), torch.float32, bias, cfg)
+    ref = ref_mm(decode(qa, sa).cuda(), decode(qb, sb).cuda(), 1e-4, bias)
+    assert rel_err(out, ref) < 1e-5
+
+
+@requires_cuda
+def test_gpu_strided_and_zero_rows():
+    n, k = 256, 512
+    qa, sa, qb, sb = _gpu_case(7, n, k)
+    wide = torch.zeros(7, k // 2 + 64, dtype=torch.uint8, device="cuda")
+    wide[:, 32:32 + k // 2] = qa
+    alpha = torch.tensor(1.0, device="cuda")
+    with scaledmm.use_backend("nvfp4", "triton"):
+        out = torch.ops.scaledmm.nvfp4_mm(wide[:, 32:32 + k // 2], qb, sa, sb, alpha, torch.float32)
+        empty = torch.ops.scaledmm.nvfp4_mm(qa[:0], qb, sa[:0], sb, alpha, torch.float32)
+    assert empty.shape == (0, n)
+    assert rel_err(out, ref_mm(decode(qa, sa).cuda(), decode(qb, sb).cuda(), 1.0, None)) < 1e-5
+
+
+@requires_cuda
+def test_gpu_cuda_graph_capture_and_replay():
+    n, k = 4096, 4096
+    qa, sa, qb, sb = _gpu_case(16, n, k)
+    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    gs = torch.tensor(100.0, device="cuda")
+    alpha = torch.tensor(1e-3, device="cuda")
+
+    def step():
+        q, s = torch.ops.scaledmm.nvfp4_quant(x, gs)
+        return (torch.ops.scaledmm.nvfp4_mm(q, qb, s, sb, alpha),
+                torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, alpha))
+
+    with scaledmm.use_backend("nvfp4", "triton"):
+        eager = step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        again = step()
+    for a, b in zip(captured, again):
+        assert torch.equal(a, b)
+    assert not torch.equal(captured[0], eager[0])
+
+
+@requires_cuda
+def test_gpu_ops_opcheck_and_compile():
+    qa, sa, qb, sb = _gpu_case(5, 256, 256)
+    alpha = torch.tensor(0.5, device="cuda")
+    x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
+    with scaledmm.use_backend("nvfp4", "triton"):
+        opcheck(torch.ops.scaledmm.nvfp4_quant.default, (x, torch.tensor(9.0, device="cuda"), True))
+        opcheck(torch.ops.scaledmm.nvfp4_mm.default, (qa, qb, sa, sb, alpha, torch.bfloat16, None))
+        opcheck(torch.ops.scaledmm.nvfp4_w4a16_mm.default, (x, qb, sb, alpha, torch.float16, None))
+        f = torch.compile(lambda x: torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, alpha), fullgraph=True,
+                          dynamic=True)
+        for m in (5, 1, 3):
+            assert torch.equal(f(x[:m]), torch.ops.scaledmm.nvfp4_w4a16_mm(x[:m], qb, sb, alpha))
