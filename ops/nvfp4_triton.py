@@ -98,18 +98,19 @@ def can_implement(p: Problem) -> tuple[bool, str]:
 # 2. Quantizer: x -> (packed e2m1 codes, e4m3 block scales)
 # ----------------------------------------------------------------------------
 #
-# SPEC: s = e4m3(gs * amax / 6) saturating; code = RNE_e2m1(clamp(x * gs / s, -6, 6)).
-# The kernel computes s exactly like that (one fp32 division per block, an
-# exact integer e4m3 rounding), but finds the codes without dividing: with
-# y = fl(x * gs) and q = y / s the exact quotient, RNE(q) >= T holds iff
-# q >= T - ulp/2 (T's last bit is even, ties go to T) and RNE(q) > T iff
-# q > T + ulp/2.  For every e2m1 midpoint T (0.25, 0.75, ..., 5) the product
-# P = T * s is exact in fp32 (<= 7 significant bits) and the half-ulp term
-# (ulp(T)/2) * s lies strictly inside one fp32 ulp of P, so for fp32 y:
-#     RNE(y / s) >= T  <=>  y >= P           (inclusive midpoints 0.75, 1.75, 3.5)
-#     RNE(y / s) >  T  <=>  y >= nextup(P)   (strict midpoints 0.25, 1.25, 2.5, 5)
-# which is what fl(fl(x * gs) / s) followed by the threshold compare gives:
-# the codes are bit-identical to the division, with 3 compares per element.
+# SPEC: s = e4m3(gs * amax / 6) saturating; code = RNE_e2m1(clamp(v, -6, 6))
+# with v = fl(fl(x * gs) / s) in fp32.  The kernel computes s exactly so (one
+# fp32 division per block, then nearest-even e4m3), but finds the codes
+# without dividing.  The code steps up at the e2m1 midpoints T = 0.25, 0.75,
+# ..., 5: at v > T for the strict ones (0.25, 1.25, 2.5, 5: a tie stays on the
+# even code below) and at v >= T for the inclusive ones (0.75, 1.75, 3.5).
+# With y = fl(x * gs) and q = y / s the exact quotient, fl(q) >= T iff
+# q >= T - ulp/2 and fl(q) > T iff q > T + ulp/2 (each T has an even last
+# bit, so fp32 ties land on T).  P = T * s is exact in fp32 (<= 7 significant
+# bits) and (ulp(T) / 2) * s lies strictly between 0 and the fp32 spacing
+# around P (P is never a power of two for the inclusive T), so for fp32 y:
+#     v >= T  <=>  y >= P          and          v > T  <=>  y >= nextup(P).
+# Bit-identical codes to the division, found with 3 compares per element.
 
 
 @triton.jit
@@ -213,8 +214,8 @@ QUANT_BLOCK_G = 8
 
 
 def _hw_e4m3(device: torch.device) -> bool:
-    """Use the hardware fp32 -> e4m3 conversion (sm89+, round-to-nearest-even,
-    saturating); elsewhere (sm80, the interpreter) the exact integer rounding."""
+    """Use Triton's e4m3 type (sm89+: hardware conversions, nearest-even and
+    saturating); elsewhere (sm80, the interpreter) exact integer arithmetic."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
@@ -364,9 +365,21 @@ def _decode_ptx(packed, scale2, DTYPE: tl.constexpr, DIRECT: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_to_f32(b, HW_FP8: tl.constexpr):
+    """fp32 value of e4m3 bytes: the hardware conversion on sm89+, else the
+    fp16 pattern ``(b & 0x7F) << 7`` (exponent and mantissa in place, the
+    subnormals included) times 2**8; 0x7F/0xFF are NaN."""
+    if HW_FP8:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    h = ((b.to(tl.int16) & 0x7F) << 7).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    h = tl.where((b & 0x80) != 0, -h, h)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), h)
+
+
+@triton.jit
 def _load_fp4_tile(q_ptr, s_ptr, rows, R, row_stride, row_bytes, s_c4, kt,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   DECODE: tl.constexpr, DTYPE: tl.constexpr):
+                   DECODE: tl.constexpr, DTYPE: tl.constexpr, HW_FP8: tl.constexpr):
     """Decoded ``[BLOCK_R, BLOCK_K]`` tile (K-tile ``kt``) of a packed operand
     (``row_bytes = K / 2`` bytes per row, rows ``row_stride`` bytes apart) with
     swizzled scales; rows >= R and columns >= K read as zeros."""
@@ -388,18 +401,17 @@ def _load_fp4_tile(q_ptr, s_ptr, rows, R, row_stride, row_bytes, s_c4, kt,
     smask = rmask[:, None, None]
     if not EVEN_K:
         smask = smask & (((kt * (KG // 4) + g) * 4)[None, :, None] + j[None, None, :] < row_bytes // 8)
-    sc = tl.load(s_ptrs, mask=smask, other=0).to(tl.float8e4nv, bitcast=True)
-    sc = tl.reshape(sc, (BLOCK_R, KG))
+    sc = _e4m3_to_f32(tl.reshape(tl.load(s_ptrs, mask=smask, other=0), (BLOCK_R, KG)), HW_FP8)
     if DECODE > 0:
         # [s : s] as one int32 per block, broadcast to its 8 bytes for free
         if DECODE == 2 and DTYPE == tl.bfloat16:
-            s16 = (sc.to(tl.float32) * 6.646139978924579e35).to(tl.bfloat16)  # s * 2**119
+            s16 = (sc * 6.646139978924579e35).to(tl.bfloat16)  # s * 2**119, exact
         else:
-            s16 = sc.to(tl.float16)
+            s16 = sc.to(tl.float16)  # exact
         s16 = s16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         s2 = tl.reshape(tl.broadcast_to((s16 | (s16 << 16))[:, :, None], (BLOCK_R, KG, 8)), (BLOCK_R, KB))
         return _decode_ptx(packed, s2, DTYPE, DECODE == 2)
-    sc = sc.to(tl.float32) * 16384.0
+    sc = sc * 16384.0
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_R, KG, 8)), (BLOCK_R, KB))
     lo, hi = _decode_triton(packed, sc, DTYPE)
     return tl.interleave(lo, hi)
@@ -616,7 +628,7 @@ def _time_us(fn: Callable[[], object], reps: int = 20) -> float:
 def _gemm_kernel(w_ptr, ws_ptr, x_ptr, xs_ptr, out_ptr, bias_ptr, alpha_ptr, part_ptr, lock_ptr,
                  M, N, K, stride_xm, stride_om, ws_c4, xs_c4, fold,
                  X_FP4: tl.constexpr, HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr,
-                 DECODE: tl.constexpr, EVEN_K: tl.constexpr,
+                 DECODE: tl.constexpr, EVEN_K: tl.constexpr, HW_FP8: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, GROUP_N: tl.constexpr):
     # raster: groups of GROUP_N weight tiles, all M tiles of a group in turn
@@ -640,10 +652,10 @@ def _gemm_kernel(w_ptr, ws_ptr, x_ptr, xs_ptr, out_ptr, bias_ptr, alpha_ptr, par
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(kt0, kt1):
         w = _load_fp4_tile(w_ptr, ws_ptr, rn, N, K // 2, K // 2, ws_c4, kt, BLOCK_N, BLOCK_K, EVEN_K,
-                           DECODE, DTYPE)
+                           DECODE, DTYPE, HW_FP8)
         if X_FP4:
             x = _load_fp4_tile(x_ptr, xs_ptr, rm, M, stride_xm, K // 2, xs_c4, kt, BLOCK_M, BLOCK_K,
-                               EVEN_K, DECODE, DTYPE)
+                               EVEN_K, DECODE, DTYPE, HW_FP8)
         else:
             rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
             if EVEN_K:
@@ -685,14 +697,14 @@ def _epilogue(acc, out_ptr, o_off, o_mask, rn, N, bias_ptr, alpha_ptr, fold, HAS
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _dequant_kernel(q_ptr, s_ptr, out_ptr, M, K, stride_qm, s_c4,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Exact fp16 decode of a packed operand (the ``predecode_x`` path)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kt = tl.program_id(1)
     x = _load_fp4_tile(q_ptr, s_ptr, rows, M, stride_qm, K // 2, s_c4, kt, BLOCK_M, BLOCK_K, False,
-                       0, tl.float16)
+                       0, tl.float16, HW_FP8)
     rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], x,
              mask=(rows < M)[:, None] & (rk < K)[None, :])
@@ -701,7 +713,7 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, M, K, stride_qm, s_c4,
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def dequant_fp16(q: torch.Tensor, s: torch.Tensor, k_row_bytes: int | None = None) -> torch.Tensor:
+def dequant_fp16(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """fp16 ``[R, K]`` values ``e2m1 * s`` (exact) of packed ``q`` with swizzled ``s``."""
     rows, k = q.shape[0], 2 * q.shape[1]
     out = torch.empty((rows, k), dtype=torch.float16, device=q.device)
@@ -709,7 +721,8 @@ def dequant_fp16(q: torch.Tensor, s: torch.Tensor, k_row_bytes: int | None = Non
         return out
     bm, bk = 32, 256
     _dequant_kernel[(triton.cdiv(rows, bm), triton.cdiv(k, bk))](
-        q, s.view(torch.uint8), out, rows, k, q.stride(0), s.shape[1] // 4, BLOCK_M=bm, BLOCK_K=bk)
+        q, s.view(torch.uint8), out, rows, k, q.stride(0), s.shape[1] // 4, HW_FP8=_hw_e4m3(q.device),
+        BLOCK_M=bm, BLOCK_K=bk)
     return out
 
 
@@ -745,7 +758,7 @@ def _launch(w, w_s, x, x_s, alpha, bias, out_dtype, cfg: GemmConfig, x_fp4: bool
         x_s.shape[1] // 4 if x_fp4 else 0, fold,
         X_FP4=x_fp4, HAS_BIAS=bias is not None, DTYPE=_TL_DTYPE[dtype],
         DECODE=DECODERS.index(cfg.decode),
-        EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+        EVEN_K=k % cfg.block_k == 0, HW_FP8=_hw_e4m3(w.device), BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
         BLOCK_K=cfg.block_k, SPLIT_K=split, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", default="1,3,8,17,64", help="comma-separated batch sizes (M)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
+    p.add_argument("--no-pass", action="store_true", help="compile without scaledmm.compile.passes()")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     batches = [int(b) for b in args.batch.split(",")]
@@ -92,12 +93,16 @@ def main(argv=None) -> int:
     model = quantize_block(ref_model).to(dev)
     graphs: list[torch.fx.GraphModule] = []
 
+    scaledmm_pass = None if args.no_pass else scaledmm.compile.passes()
+
     def recording_backend(gm, example_inputs):
         graphs.append(gm)
         if args.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs)
+            options = {"post_grad_custom_post_pass": scaledmm_pass} if scaledmm_pass else {}
+            with torch._inductor.config.patch(options):
+                return compile_fx(gm, example_inputs)
         return torch._dynamo.lookup_backend(args.backend)(gm, example_inputs)
 
     compiled = torch.compile(model, backend=recording_backend, fullgraph=True, dynamic=True)
@@ -128,6 +133,9 @@ def main(argv=None) -> int:
     print("ops in the compiled graph (count):")
     for name, c in sorted(ops.items()):
         print(f"  {name:<45} {c}")
+    if scaledmm_pass is not None and args.backend == "inductor":
+        print(f"scaledmm.compile.passes() rewrites: {scaledmm_pass.stats} "
+              "(size conds -> dynamic ops keep CUDA graphs; quant+GEMM -> fused op)")
     print("backends chosen at run time (op -> backend: calls):")
     for (op, name), c in sorted(chosen.items()):
         print(f"  {op:<30} -> {name:<12} {c}")

@@ -17,6 +17,7 @@ from torch import nn
 from scaledmm import validation as V
 from scaledmm.ops import fp8 as ops
 from scaledmm.oplib import FP8_DTYPE
+from scaledmm.layers.rows import as_rows, from_rows
 
 __all__ = ["Fp8Linear", "ACTIVATIONS"]
 
@@ -280,8 +281,7 @@ class Fp8Linear(nn.Module):
         k, n = self.in_features, self.out_features
         if x.dim() < 1 or x.shape[-1] != k:
             V.fail("Fp8Linear", "x", f"last dim of size {k} (in_features)", f"shape {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k)
+        x2 = as_rows(x)
         if self.padded_in_features != k:  # activation only: M x (Kp - K) zeros
             x2 = F.pad(x2, (0, self.padded_in_features - k))
         if self.activation == "static":
@@ -291,7 +291,7 @@ class Fp8Linear(nn.Module):
         out = torch.ops.scaledmm.fp8_scaled_mm(q, self.weight, s, self.weight_scale, self.bias, self.out_dtype)
         if self.padded_out_features != n:
             out = out[:, :n]
-        return out.reshape(*lead, n)
+        return from_rows(out, x)
 
     def extra_repr(self) -> str:
         scales = "per-channel" if self.per_channel else "per-tensor"

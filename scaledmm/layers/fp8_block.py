@@ -10,6 +10,7 @@ from torch import nn
 from scaledmm import validation as V
 from scaledmm.ops import fp8_block as ops
 from scaledmm.oplib import FP8_DTYPE
+from scaledmm.layers.rows import as_rows, from_rows
 
 __all__ = ["Fp8BlockLinear"]
 
@@ -144,13 +145,12 @@ class Fp8BlockLinear(nn.Module):
         self.weight_scale_inv.data = s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = as_rows(x)
         if self._k_pad:
             x2 = F.pad(x2, (0, self._k_pad))
         out = torch.ops.scaledmm.fp8_block_linear(
             x2, self.weight, self.weight_scale_inv, list(self.block_size), self.out_dtype, self.bias)
-        return out.reshape(*lead, self.out_features)
+        return from_rows(out, x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -11,6 +11,7 @@ from torch import nn
 from scaledmm import validation as V
 from scaledmm.ops import nvfp4 as ops
 from scaledmm.oplib import FP8_DTYPE
+from scaledmm.layers.rows import as_rows, from_rows
 
 __all__ = ["NvFp4Linear"]
 
@@ -237,8 +238,7 @@ class NvFp4Linear(nn.Module):
         n, k = self.out_features, self.in_features
         if x.shape[-1] != k:
             V.fail(_NAME, "x", f"last dim K = {k}", f"shape {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k)
+        x2 = as_rows(x)
         if self._k_pad != k:
             x2 = F.pad(x2, (0, self._k_pad - k))
         if self.use_w4a16:
@@ -256,7 +256,7 @@ class NvFp4Linear(nn.Module):
                                               self.bias)
         if self._n_pad != n:
             out = out[:, :n]
-        return out.reshape(*lead, n)
+        return from_rows(out, x)
 
     def extra_repr(self) -> str:
         mode = "w4a16" if self.use_w4a16 else (

@@ -8,6 +8,7 @@ from torch import nn
 
 from scaledmm import validation as V
 from scaledmm.dispatch import skinny_linear
+from scaledmm.layers.rows import as_rows, from_rows
 
 __all__ = ["SkinnyLinear"]
 
@@ -104,11 +105,10 @@ class SkinnyLinear(nn.Module):
                 self.bias.data = b.to(torch.bfloat16).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        out = skinny_linear(x.reshape(-1, x.shape[-1]), self.weight)
+        out = skinny_linear(as_rows(x), self.weight)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*lead, self.out_features)
+        return from_rows(out, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
