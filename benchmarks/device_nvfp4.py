@@ -4,6 +4,7 @@ repository root::
 
     python benchmarks/device_nvfp4.py            # < 2 min on one H200
     python benchmarks/device_nvfp4.py --quick    # fewer configs
+    TRITON_INTERPRET=1 python benchmarks/device_nvfp4.py --smoke   # CPU dry run of the script
 
 Stages (each guarded: a failure is printed and the rest still runs):
 
@@ -45,7 +46,10 @@ if str(ROOT) not in sys.path:
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # llama8b (N, K)
 TABLE_M = (1, 4, 16, 128, 1024, 4096)
+QUANT_SHAPES = ((4096, 7168), (16, 7168), (4096, 4096))  # (M, K)
+DEV = "cuda"  # "cpu" with --smoke (Triton interpreter, tiny shapes, wall-clock "timings")
 ROTATE_BYTES = 64 << 20
+CHECK_NK = (1000, 4096)  # correctness stage: N not a multiple of 16 or of any tile
 TABLE_TOL = 5e-3  # table outputs are bf16 (exactness is checked in fp32 by the correctness stage)
 T0 = time.perf_counter()
 DEADLINE_S = 105.0  # stop sweeping candidates after this; the table is still printed
@@ -74,7 +78,8 @@ def stage(name):
 
 
 def candidates(bucket: int, quick: bool):
-    """(label, op, decode, GemmConfig-without-split, split policy) per M bucket."""
+    """``(op, GemmConfig, split policy)`` tried in an M bucket; policy "auto" is
+    the default split-K heuristic, "x2" twice that, "none" no split."""
     from scaledmm.ops.nvfp4_triton import GemmConfig as G
 
     if bucket == 0:
@@ -108,35 +113,49 @@ def with_split(cfg, policy: str, m: int, n: int, k: int):
     from scaledmm.ops import nvfp4_triton as nt
     import torch
 
-    auto = nt._split_for(cfg, m, n, k, torch.device("cuda"))
+    auto = nt._split_for(cfg, m, n, k, torch.device(DEV))
     split = {"auto": auto, "x2": min(2 * auto, 8), "none": 1}[policy]
     return dataclasses.replace(cfg, split_k=max(1, min(split, math.ceil(k / cfg.block_k))))
 
 
-def planned_kernels(quick: bool):
-    """Every (op, config) the table needs (split-K resolved per shape and M)."""
+def tried_configs(m: int, n: int, k: int, quick: bool):
+    """``(op, config, kind)`` timed at one point: the defaults, then the valid candidates."""
     from scaledmm.ops import nvfp4_triton as nt
 
-    jobs = set()
-    for n, k in SHAPES:
-        for m in TABLE_M:
-            b = nt.m_bucket(m)
-            for op, cfg, pol in candidates(b, quick):
-                jobs.add((op, with_split(cfg, pol, m, n, k), "bf16"))
-            jobs.add(("mm", _default_cfg("mm", m, n, k), "bf16"))
-            jobs.add(("w4a16", _default_cfg("w4a16", m, n, k), "bf16"))
+    out = [("mm", _default_cfg("mm", m, n, k), "default"), ("w4a16", _default_cfg("w4a16", m, n, k), "default")]
+    for op, cfg, pol in candidates(nt.m_bucket(m), quick):
+        cfg = _on_dev(with_split(cfg, pol, m, n, k))
+        if nt.config_ok(cfg, _problem(op, m, n, k))[0] and all((op, cfg) != (o, c) for o, c, _ in out):
+            out.append((op, cfg, "cand"))
+    return out
+
+
+def planned_kernels(quick: bool):
+    """Every (op, config) the table needs (split-K resolved per shape and M)."""
+    jobs = {(op, cfg, "bf16", 256) for n, k in SHAPES for m in TABLE_M
+            for op, cfg, _ in tried_configs(m, n, k, quick)}
     return sorted(jobs, key=lambda j: (j[0], j[1].label()))
 
 
-def _default_cfg(op, m, n, k):
+def _on_dev(cfg):
+    """The PTX decoders off the GPU (smoke runs) become the Triton one."""
+    return cfg if DEV == "cuda" else dataclasses.replace(cfg, decode="triton")
+
+
+def _problem(op, m, n, k):
     import torch
     from scaledmm.backends import Family, Problem
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if DEV == "cuda" else torch.device(DEV)
+    return Problem(Family.NVFP4, dev, m, n, k,
+                   torch.bfloat16 if op == "w4a16" else torch.uint8, torch.bfloat16, k,
+                   (("bias", False), ("w4a16", op == "w4a16")))
+
+
+def _default_cfg(op, m, n, k):
     from scaledmm.ops import nvfp4_triton as nt
 
-    p = Problem(Family.NVFP4, torch.device("cuda", torch.cuda.current_device()), m, n, k,
-                torch.bfloat16 if op == "w4a16" else torch.uint8, torch.bfloat16, k,
-                (("bias", False), ("w4a16", op == "w4a16")))
-    return nt.default_config(p)
+    return nt.default_config(_problem(op, m, n, k))
 
 
 # ----------------------------------------------------------------------------
@@ -152,16 +171,16 @@ def _compile_worker(jobs):
 
     torch.cuda.init()
     dev = "cuda"
-    n, k, m = 256, 1024, 16
-    b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
-    sb = torch.full((256, k // 16), 0x30, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+    k, m = 1024, 16
     a = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, device=dev)
     sa = torch.full((128, k // 16), 0x30, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     one = torch.ones((), device=dev)
     done = 0
-    for op, cfg, out in jobs:
+    for op, cfg, out, n in jobs:  # n: N's specialization class (multiple of 16 or not)
         out = {"bf16": torch.bfloat16, "f32": torch.float32}.get(out)
+        b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
+        sb = torch.full((-(-n // 128) * 128, k // 16), 0x30, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
         try:
             if op == "mm":
                 nt.run_mm(a, b, sa, sb, one, out, None, cfg)
@@ -180,9 +199,9 @@ def _compile_worker(jobs):
 
 @stage("compile")
 def compile_all(quick: bool, workers: int):
-    jobs = planned_kernels(quick) + [("quant", True, None), ("quant", False, None)]
+    jobs = planned_kernels(quick) + [("quant", True, None, 256), ("quant", False, None, 256)]
     for cfg in correctness_configs():
-        jobs += [("mm", cfg, "f32"), ("w4a16", cfg, "f32"), ("w4a16_fp16", cfg, "f32")]
+        jobs += [(op, cfg, "f32", CHECK_NK[0]) for op in ("mm", "w4a16", "w4a16_fp16")]
     jobs = list(dict.fromkeys(jobs))
     log(f"{len(jobs)} kernels over {workers} processes")
     chunks = [jobs[i::workers] for i in range(workers)]
@@ -201,6 +220,11 @@ def time_calls(fns, min_reps=5, budget_s=0.05) -> float:
     """Median per-call microseconds of one CUDA-graph replay of ``fns``."""
     import torch
 
+    if DEV != "cuda":  # smoke run: one pass, wall clock
+        t = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t) * 1e6 / len(fns)
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -231,12 +255,13 @@ def environment(res):
     import torch
     import triton
 
-    props = torch.cuda.get_device_properties(0)
-    res["env"] = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
-                      triton=triton.__version__, cuda=torch.version.cuda)
+    res["env"] = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
+    if DEV == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        res["env"].update(device=props.name, sms=props.multi_processor_count)
     log(str(res["env"]))
-    n = 1 << 28  # 512 MiB of bf16 per side
-    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    n = 1 << (28 if DEV == "cuda" else 16)  # 512 MiB of bf16 per side
+    src = torch.empty(n, dtype=torch.bfloat16, device=DEV).normal_()
     dst = torch.empty_like(src)
     us = time_calls([lambda: dst.copy_(src)], min_reps=5)
     res["copy_GBps"] = 2 * src.numel() * 2 / us / 1e3
@@ -253,9 +278,9 @@ def _operands(m, n, k, seed=0):
 
     from scaledmm.ops import nvfp4_triton as nt
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k, device=DEV, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
     gsx = (448 * 6 / x.float().abs().amax().clamp(min=1e-6)).reshape(())
     gsw = (448 * 6 / w.float().abs().amax()).reshape(())
     qa, sa = nt.quant(x, gsx, True)
@@ -277,8 +302,9 @@ def _rel(out, ref):
 def correctness_configs():
     from scaledmm.ops.nvfp4_triton import GemmConfig as G
 
-    return [G(64, 16, 256, num_stages=4, decode=dec) for dec in ("ptx", "ptx_direct", "triton")] + \
+    cfgs = [G(64, 16, 256, num_stages=4, decode=dec) for dec in ("ptx", "ptx_direct", "triton")] + \
         [G(128, 64, 64, split_k=2, num_warps=8, decode=dec) for dec in ("ptx", "ptx_direct", "triton")]
+    return list(dict.fromkeys(_on_dev(c) for c in cfgs))
 
 
 @stage("correctness")
@@ -289,9 +315,9 @@ def correctness(res):
     from scaledmm.ops.nvfp4 import reference_quant
 
     checks = res.setdefault("checks", [])
-    for m in (1, 17, 130, 4096):
-        x = (torch.randn(m, 7168, device="cuda") * 3).to(torch.bfloat16)
-        gs = torch.tensor(448 * 6 / 9.0, device="cuda")
+    for m in (1, 17, 130, 4096 if DEV == "cuda" else 9):
+        x = (torch.randn(m, QUANT_SHAPES[0][1], device=DEV) * 3).to(torch.bfloat16)
+        gs = torch.tensor(448 * 6 / 9.0, device=DEV)
         for swz in (True, False):
             q, s = nt.quant(x, gs, swz)
             qr, sr = reference_quant(x, gs, swz)
@@ -300,7 +326,7 @@ def correctness(res):
             if not ok:
                 log(f"!! quant mismatch m={m} swizzle={swz}: codes {int((q != qr).sum())}, "
                     f"scales {int((s.view(torch.uint8) != sr.view(torch.uint8)).sum())}")
-    n, k = 1000, 4096
+    n, k = CHECK_NK
     for m in (1, 17, 130):
         x, w, qa, sa, qb, sb, alpha, _ = _operands(m, n, k, seed=m)
         sb_tiny = sb.view(torch.uint8).clone()
@@ -337,10 +363,10 @@ def quant_bandwidth(res):
     from scaledmm.ops import nvfp4_triton as nt
 
     rows = []
-    for m, k in ((4096, 7168), (16, 7168), (4096, 4096)):
+    for m, k in QUANT_SHAPES:
         c = copies_for(m * k * 2)
-        xs = [(torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16) for _ in range(c)]
-        gs = torch.tensor(300.0, device="cuda")
+        xs = [(torch.randn(m, k, device=DEV) * 2).to(torch.bfloat16) for _ in range(c)]
+        gs = torch.tensor(300.0, device=DEV)
         moved = m * k * 2 + m * k // 2 + m * k // 16
         for swz in (True, False):
             us = time_calls([lambda x=x: nt.quant(x, gs, swz) for x in xs])
@@ -386,9 +412,9 @@ def gemm_table(res, quick: bool):
             ref_a16 = (x[:rows].double() @ wd.t()) / gsw.double()
             entry = dict(n=n, k=k, m=m)
             entry["bf16_us"] = time_calls([lambda w_=w_: F.linear(x, w_) for w_ in ws])
-            tried = [("mm", _default_cfg("mm", m, n, k), "default"), ("w4a16", _default_cfg("w4a16", m, n, k), "default")]
-            if time.perf_counter() - T0 < DEADLINE_S:
-                tried += [(op, with_split(cfg, pol, m, n, k), "cand") for op, cfg, pol in candidates(nt.m_bucket(m), quick)]
+            tried = tried_configs(m, n, k, quick)
+            if time.perf_counter() - T0 > DEADLINE_S:
+                tried = tried[:2]
             results = []
             for op, cfg, kind in tried:
                 try:
@@ -415,7 +441,8 @@ def gemm_table(res, quick: bool):
             log(f"{n}x{k} M={m}: bf16 {entry['bf16_us']:.1f} us; "
                 + "; ".join(f"{op} best {b['us']:.1f} us ({b['speedup']:.2f}x) {b['cfg']}" for op, b in best.items() if b))
         del qbs, ws
-        torch.cuda.empty_cache()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
 
 
 def print_table(res):
@@ -450,18 +477,26 @@ def print_table(res):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer candidate configs")
-    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU dry run of the script under TRITON_INTERPRET=1 (tiny shapes)")
     args = ap.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
-        print("needs a CUDA device")
+    global DEV, SHAPES, TABLE_M, QUANT_SHAPES, CHECK_NK, ROTATE_BYTES
+    if args.smoke:
+        os.environ["SCALEDMM_NVFP4_TRITON_DECODE"] = "triton"
+        DEV, SHAPES, TABLE_M, QUANT_SHAPES = "cpu", [(40, 256)], (1, 17, 300), ((20, 128),)
+        CHECK_NK, ROTATE_BYTES = (40, 128), 1 << 14
+    elif not torch.cuda.is_available():
+        print("needs a CUDA device (or --smoke with TRITON_INTERPRET=1)")
         return 1
     import scaledmm  # noqa: F401  (registers the ops)
 
     res = {}
     environment(res)
-    compile_all(args.quick, args.workers)
+    if not args.smoke:
+        compile_all(args.quick, args.workers)
     correctness(res)
     quant_bandwidth(res)
     gemm_table(res, args.quick)

@@ -207,24 +207,66 @@ def _cublas_can_implement(p: Problem) -> tuple[bool, str]:
         return False, f"blockwise cuBLASLt writes bf16 only, got out_dtype={p.out_dtype}"
     if p.a_row_stride % 16 != 0:
         return False, f"needs a row stride that is a multiple of 16, got {p.a_row_stride}"
+    if not _cublas_v1_scales_ok(V.ceil_div(p.n, 128), p.k // 128) and _scaled_mm_v2() is None:
+        return False, (f"K/128 = {p.k // 128} is not a multiple of 4: needs torch.nn.functional.scaled_mm "
+                       "(padded 128x128 scales), absent in this torch")
     return True, "aligned"
 
 
+# torch._scaled_mm (v1) picks the recipe from the scale shapes and checks
+# strides exactly (aten/src/ATen/native/cuda/ScaledBlas.cpp,
+# is_blockwise_1x128_scaling / is_blockwise_128x128_scaling):
+#   a [M, K] row-major, scale_a [M, K/128] with strides (1, M);
+#   b.t() [K, N] column-major, scale_b.t() [N/128, K/128] contiguous, i.e. a
+#   row stride of exactly K/128 (size-1 dims exempt).
+# cuBLASLt reads 128x128 scales with a row stride of L4 = round_up(K/128, 4)
+# (pytorch#166752), so v1 is right only when K/128 % 4 == 0 or N <= 128.  The
+# other shapes go through _scaled_mm_v2 / F.scaled_mm, whose 1x128 x 128x128
+# recipe takes scale_b as [L4, N/128] with strides (1, L4).
+
+
+def _cublas_v1_scales_ok(nb: int, kb: int) -> bool:
+    return kb % 4 == 0 or nb <= 1
+
+
+def _scaled_mm_v2():
+    """``torch.nn.functional.scaled_mm`` and its ScalingType, or None."""
+    fn = getattr(torch.nn.functional, "scaled_mm", None)
+    st = getattr(torch.nn.functional, "ScalingType", None)
+    return (fn, st) if fn is not None and st is not None else None
+
+
 def cublas_a_scales(a_scales: torch.Tensor) -> torch.Tensor:
-    """1x128 scales outer-dim-major: ``[M, K/128]`` with strides ``(1, M)``."""
-    if a_scales.stride(0) == 1 or a_scales.shape[0] <= 1:
+    """1x128 scales outer-dim-major: ``[M, K/128]`` with strides exactly ``(1, M)``."""
+    m, kb = a_scales.shape
+    if (m <= 1 or a_scales.stride(0) == 1) and (kb <= 1 or a_scales.stride(1) == m):
         return a_scales
     return a_scales.t().contiguous().t()
 
 
 def cublas_b_scales(b_scales: torch.Tensor) -> torch.Tensor:
-    """128x128 scales as cuBLASLt reads them for ``b.t()``: ``[K/128 padded
-    to 4, N/128]`` row-major, viewed transposed.  Layers prepare this once at
-    load time (``Fp8BlockLinear.process_weights_after_loading``); calling the
-    op with plain scales costs this small copy per call."""
-    if b_scales.stride(1) == 1 and b_scales.stride(0) % 4 == 0:
-        return b_scales
-    return pad_scale_rows(b_scales, 4)
+    """128x128 scales ``[N/128, K/128]`` as ``torch._scaled_mm`` (v1) takes them
+    for ``b.t()`` (pass ``.t()`` of the result): contiguous, row stride exactly
+    K/128.  A row-padded layout (``pad_scale_rows``) with K/128 % 4 == 0 is
+    already that; otherwise this is a small copy.  Correct in cuBLASLt only
+    when K/128 % 4 == 0 or N <= 128 (see above); ``cublas_mm`` routes the rest
+    through ``cublas_b_scales_l4``."""
+    return b_scales if b_scales.is_contiguous() else b_scales.contiguous()
+
+
+def cublas_b_scales_l4(b_scales: torch.Tensor) -> torch.Tensor:
+    """128x128 scales as cuBLASLt reads them: ``[L4, N/128]`` with strides
+    ``(1, L4)``, L4 = round_up(K/128, 4) (the ``scale_b`` of F.scaled_mm's
+    1x128 x 128x128 recipe).  A ``pad_scale_rows`` layout is reused in place."""
+    nb, kb = b_scales.shape
+    l4 = V.round_up(kb, 4)
+    storage_end = b_scales.storage_offset() + nb * l4
+    if (b_scales.stride(1) == 1 or kb <= 1) and (b_scales.stride(0) == l4 or nb <= 1) \
+            and b_scales.untyped_storage().nbytes() >= storage_end * b_scales.element_size():
+        return b_scales.as_strided((nb, l4), (l4, 1)).t()
+    padded = b_scales.new_zeros((nb, l4))
+    padded[:, :kb] = b_scales
+    return padded.t()
 
 
 def pad_scale_rows(b_scales: torch.Tensor, multiple: int = 4) -> torch.Tensor:
@@ -241,10 +283,13 @@ def cublas_mm(a, b, a_scales, b_scales, block_size, out_dtype):
     m = a.shape[0]
     if m == 0:
         return mm_output(a, b, out_dtype)
-    return torch._scaled_mm(
-        a, b.t(), scale_a=cublas_a_scales(a_scales), scale_b=cublas_b_scales(b_scales).t(),
-        out_dtype=out_dtype,
-    )
+    sa = cublas_a_scales(a_scales)
+    if _cublas_v1_scales_ok(*b_scales.shape):
+        return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=cublas_b_scales(b_scales).t(),
+                                out_dtype=out_dtype)
+    scaled_mm, st = _scaled_mm_v2()
+    return scaled_mm(a, b.t(), sa, st.BlockWise1x128, cublas_b_scales_l4(b_scales), st.BlockWise128x128,
+                     output_dtype=out_dtype)
 
 
 # ----------------------------------------------------------------------------

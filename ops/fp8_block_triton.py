@@ -1,36 +1,28 @@
-"""FP8 block-scaled GEMM in Triton: backend ``triton`` of the ``fp8_block`` family.
-
-DeepSeek-V3 recipe (SPEC.md "FP8 block-scaled GEMM"): activations quantized per
-1 x 128 group, weights per 128 x 128 block.  Three kernels:
+"""FP8 block-scaled GEMM in Triton: backend ``triton`` of the ``fp8_block`` family
+(DeepSeek-V3 recipe: 1 x 128 activation groups, 128 x 128 weight blocks).
 
 * ``_quant_kernel``: ``per_token_group_quant_fp8``, bit-identical to
-  ``ops.fp8_block.reference_quant`` (a true division ``x / s``, round to
-  nearest even); any row stride; row-major, column-major or TMA-aligned
-  column-major scales; optional ue8m0 (power-of-two) scales.
-* ``_mm_kernel``: ``fp8_block_mm`` for any M (masked loads or TMA
-  out-of-bounds fill, no padding copies).  One 128-wide K block per step: an
-  fp32 ``tl.dot`` of the fp8 tiles, scaled by ``a_scale[m] * b_scale[n]`` and
-  added to the fp32 accumulator.  Options (one frozen :class:`MMConfig`):
-  split-K (fp32 workspace + ``_splitk_reduce_kernel``, fixed summation order),
-  swap-AB (the weight fills the MMA's M side, tokens the narrow N side: the
-  small-M weight-streaming shape), TMA descriptors, a persistent grid, warp
-  specialization, and quantization of a bf16/fp16 activation inside the GEMM
-  (``fp8_block_linear``; bit-identical to the quant op followed by the GEMM
-  with the same config).
-* ``_splitk_reduce_kernel``: sums the split-K partials (+ bias) and rounds once.
+  ``ops.fp8_block.reference_quant`` (true division, round to nearest even);
+  any row stride; row-, column-major or TMA-aligned scales; ue8m0 option.
+* ``_mm_kernel``: ``fp8_block_mm`` for any M (masks or TMA out-of-bounds fill,
+  no padding copies).  Per 128-wide K block: fp32 ``tl.dot`` of the fp8 tiles
+  times ``a_scale[m] * b_scale[n]`` into the fp32 accumulator.  One frozen
+  :class:`MMConfig` picks split-K (fp32 workspace, fixed-order reduce),
+  swap-AB (weight rows on the MMA's M side: small M), TMA, a persistent grid,
+  warp specialization; ``QUANT_A`` quantizes a bf16/fp16 activation tile in
+  registers (``fp8_block_linear``), bit-identical to the quant op + GEMM.
+* ``_splitk_reduce_kernel``: sums split-K partials (+ bias), rounds once.
 
-Devices: sm90 (wgmma, TMA), sm89 and sm100+ (native fp8 ``tl.dot``), sm80
-(no fp8 type: operands travel as bytes, are widened to fp16 exactly in
-registers and multiplied on fp16 tensor cores; e4m3 NaN codes read as finite
-values there), and the CPU under ``TRITON_INTERPRET=1`` (set before triton is
-imported) for tests.
-
+Devices: sm90 (wgmma, TMA), sm89 and sm100+ (native fp8 dot), sm80 (no e4m3:
+bytes widened exactly to fp16, fp16 MMA; e4m3 NaN codes read as numbers),
+CPU under ``TRITON_INTERPRET=1`` set before triton is imported (tests).
 Read top to bottom: capability checks, config space, kernels, launchers,
-backend registration.  References live in ``ops/fp8_block.py``.
+backend registration; the references are in ``ops/fp8_block.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -42,7 +34,7 @@ import triton.language as tl
 from scaledmm import backends
 from scaledmm import validation as V
 from scaledmm.backends import Backend, Problem
-from scaledmm.oplib import FP8_DTYPE, FP8_MAX
+from scaledmm.oplib import FP8_DTYPE
 
 from . import fp8_block as base
 
@@ -54,6 +46,8 @@ __all__ = [
     "per_token_group_quant",
     "mm",
     "linear",
+    "precompile",
+    "autotune",
     "is_supported",
     "can_implement",
 ]
@@ -70,28 +64,22 @@ _INTERPRET = triton.knobs.runtime.interpret if hasattr(triton, "knobs") else os.
 
 
 def _fix_interpreter_index() -> None:
-    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns
-    them into loop bounds with ``int(array)``, which NumPy >= 2.4 refuses; a
-    ``for k in range(lo, hi)`` over runtime values then fails.  Interpreter
-    mode only; a no-op where NumPy still converts."""
+    """Triton 3.6's interpreter turns its 1-element scalar arrays into loop
+    bounds with ``int(array)``, which NumPy >= 2.4 refuses (any ``range`` over
+    runtime values fails).  Interpreter mode only; a no-op on older NumPy."""
     import numpy as np
     from triton.runtime import interpreter
 
     try:
         int(np.array([1]))
-        return
     except TypeError:
-        pass
-    orig = interpreter._patch_lang_tensor
-    if getattr(orig, "_scaledmm_fixed", False):
-        return
+        orig = interpreter._patch_lang_tensor
 
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        def patched(tensor, scope):
+            orig(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    patched._scaledmm_fixed = True
-    interpreter._patch_lang_tensor = patched
+        interpreter._patch_lang_tensor = patched
 
 
 if _INTERPRET:
@@ -130,11 +118,11 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
     major, minor = _capability(device)
     if major < 8:
         return False, f"needs sm80+, device is sm{major}{minor}"
-    if major == 8 and minor < 9:
-        return True, f"sm{major}{minor}: fp8 widened to fp16 in registers, fp16 tensor cores"
-    if major == 9:
-        return True, "sm90: wgmma fp8, TMA"
-    return True, f"sm{major}{minor}: native fp8 tl.dot"
+    if (major, minor) < (8, 9):
+        return True, f"sm{major}{minor}: e4m3 widened to fp16 in registers, fp16 tensor cores"
+    if major == 8:
+        return True, "sm89: fp8 mma.sync; e4m3 encoded in integer code (Triton's cast rounds twice here)"
+    return True, f"sm{major}{minor}: fp8 {'wgmma, TMA' if major == 9 else 'tensor cores'}"
 
 
 def can_implement(p: Problem) -> tuple[bool, str]:
@@ -162,15 +150,9 @@ def _fp8_mode(device: torch.device) -> tuple[bool, bool]:
     return cap < (9, 0), cap < (8, 9)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 # ----------------------------------------------------------------------------
@@ -222,7 +204,7 @@ class MMConfig:
 
 
 _POW2 = (16, 32, 64, 128, 256)
-_SMEM_LIMIT = 227 * 1024  # sm90 per-block opt-in maximum
+_SMEM_LIMIT = 227 * 1024  # sm90 per-block maximum (sm8x defaults stay under 100 KB)
 
 
 def smem_bytes(cfg: MMConfig, a_bytes: int = 1) -> int:
@@ -285,6 +267,7 @@ _BUCKET_BASE = {
 }
 _TUNED: dict[tuple[int, int, int, bool], MMConfig] = {}
 _AUTOTUNED: dict[tuple, MMConfig] = {}
+_WARMED: list = []  # kernels compiled by precompile(), loaded when it ends
 
 
 def _split_for(m: int, n: int, k: int, bm: int, bn: int, num_sms: int) -> int:
@@ -518,7 +501,7 @@ def _mm_tile(a, b, a_s, b_s, M, N, K, off_m, off_n, kb_lo, kb_hi,
 @triton.jit
 def _mm_store(acc, c, ws, bias, M, N, off_m, off_n, pid_k, stride_cm,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
-              SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+              SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     if SWAP_AB:
@@ -528,7 +511,7 @@ def _mm_store(acc, c, ws, bias, M, N, off_m, off_n, pid_k, stride_cm,
         rows = offs_m.to(tl.int64)[:, None]
         cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
-    if SPLIT_K > 1:
+    if SPLIT:
         tl.store(ws + pid_k.to(tl.int64) * M * N + rows * N + cols, acc, mask=mask)
     else:
         if HAS_BIAS:
@@ -536,19 +519,19 @@ def _mm_store(acc, c, ws, bias, M, N, off_m, off_n, pid_k, stride_cm,
         tl.store(c + rows * stride_cm + cols, acc.to(c.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M", "stride_asm", "stride_ask"])
-def _mm_kernel(a, b, c, ws, a_s, b_s, bias, M, N, K,
+@triton.jit(do_not_specialize=["M", "stride_asm", "stride_ask", "split_k"])
+def _mm_kernel(a, b, c, ws, a_s, b_s, bias, M, N, K, split_k,
                stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
+               GROUP_M: tl.constexpr, SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
                QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
-               EVEN_K: tl.constexpr, PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
+               EVEN_K: tl.constexpr, PERSISTENT: tl.constexpr,
                WARP_SPEC: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr,
                INTERPRET: tl.constexpr):
     kb_total = tl.cdiv(K, BLOCK_K)
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True,
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True,
                              warp_specialize=WARP_SPEC):
             pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             acc = _mm_tile(a, b, a_s, b_s, M, N, K, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, kb_total,
@@ -556,11 +539,11 @@ def _mm_kernel(a, b, c, ws, a_s, b_s, bias, M, N, K,
                            BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, QUANT_A, A_TMA, B_TMA, EVEN_K,
                            SOFT_CVT, WIDEN, INTERPRET)
             _mm_store(acc, c, ws, bias, M, N, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, stride_cm,
-                      BLOCK_M, BLOCK_N, SWAP_AB, 1, HAS_BIAS)
+                      BLOCK_M, BLOCK_N, SWAP_AB, False, HAS_BIAS)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         pid_k = tl.program_id(1)
-        per_split = tl.cdiv(kb_total, SPLIT_K)
+        per_split = tl.cdiv(kb_total, split_k)
         kb_lo = pid_k * per_split
         kb_hi = tl.minimum(kb_lo + per_split, kb_total)
         acc = _mm_tile(a, b, a_s, b_s, M, N, K, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi,
@@ -568,18 +551,17 @@ def _mm_kernel(a, b, c, ws, a_s, b_s, bias, M, N, K,
                        BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, QUANT_A, A_TMA, B_TMA, EVEN_K,
                        SOFT_CVT, WIDEN, INTERPRET)
         _mm_store(acc, c, ws, bias, M, N, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_k, stride_cm,
-                  BLOCK_M, BLOCK_N, SWAP_AB, SPLIT_K, HAS_BIAS)
+                  BLOCK_M, BLOCK_N, SWAP_AB, SPLIT, HAS_BIAS)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _splitk_reduce_kernel(ws, c, bias, M, N, stride_cm, SPLIT_K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _splitk_reduce_kernel(ws, c, bias, M, N, stride_cm, split_k, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     rows = offs // N
     cols = offs % N
     acc = tl.load(ws + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
+    for s in range(1, split_k):
         acc += tl.load(ws + s * M * N + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
@@ -598,18 +580,7 @@ def _next_pow2(v: int) -> int:
 def _device_guard(device: torch.device):
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
-    return _NULL_CTX
-
-
-class _NullCtx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL_CTX = _NullCtx()
+    return contextlib.nullcontext()
 
 
 def _bytes_view(t: torch.Tensor, widen: bool) -> torch.Tensor:
@@ -619,23 +590,13 @@ def _bytes_view(t: torch.Tensor, widen: bool) -> torch.Tensor:
 
 def per_token_group_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1e-10,
                           column_major_scales: bool = False, scale_ue8m0: bool = False,
-                          tma_aligned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` per 1 x ``group_size`` group to e4m3 (SPEC math).
-
-    Parameters
-    ----------
-    x : Tensor
-        bf16/fp16/fp32 ``[M, K]``, unit inner stride, any row stride.
-    group_size, eps, column_major_scales, scale_ue8m0
-        As ``torch.ops.scaledmm.per_token_group_quant_fp8``.
-    tma_aligned : bool
-        With ``column_major_scales``: scales with strides ``(1, round_up(M, 4))``
-        (16-byte aligned columns, what TMA-fed kernels read).
-
-    Returns
-    -------
-    (Tensor, Tensor)
-        e4m3 codes ``[M, K]`` and float32 scales ``[M, K / group_size]``.
+                          tma_aligned: bool = False, block_rows: int | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` (bf16/fp16/fp32 ``[M, K]``, any row stride) per 1 x
+    ``group_size`` group to e4m3 codes ``[M, K]`` and fp32 scales ``[M, K /
+    group_size]``: the op ``per_token_group_quant_fp8``, plus ``tma_aligned``
+    (with ``column_major_scales``: scale strides ``(1, round_up(M, 4))``) and
+    ``block_rows`` (rows per program, a tuning knob).
 
     Examples
     --------
@@ -653,7 +614,7 @@ def per_token_group_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1
         return q, s
     soft, widen = _fp8_mode(x.device)
     gp = _next_pow2(group_size)
-    rows = min(16, _next_pow2(m))
+    rows = block_rows or min(16, _next_pow2(m), max(1, 4096 // gp))
     per_prog = max(1, min(g, 4096 // (rows * gp)))
     grid = (triton.cdiv(m, rows), triton.cdiv(g, per_prog))
     with _device_guard(x.device):
@@ -692,7 +653,7 @@ def _pick_config(a, b, m, n, k, fused: bool, out_dtype) -> MMConfig:
 
 
 def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, quant_a: bool,
-            eps: float = 1e-10) -> torch.Tensor:
+            eps: float = 1e-10, warmup: bool = False) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[0]
     out = base.mm_output(a, b, out_dtype)
@@ -724,49 +685,46 @@ def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, qua
         grid = (min(tiles, _num_sms(dev)), 1)
     else:
         grid = (tiles, split)
+
+    def launch(kernel, grid, *args, **kwargs):  # warmup: compile only (see precompile)
+        if warmup:
+            _WARMED.append(kernel.warmup(*args, grid=grid, **kwargs))
+        else:
+            kernel[grid](*args, **kwargs)
+
     with _device_guard(dev):
-        _mm_kernel[grid](
-            a_arg, b_arg, out, ws, a_s, b_scales, bias_arg, m, n, k,
+        launch(
+            _mm_kernel, grid, a_arg, b_arg, out, ws, a_s, b_scales, bias_arg, m, n, k, split,
             a.stride(0), b.stride(0), out.stride(0), sa0, sa1, b_scales.stride(0), b_scales.stride(1),
             float(eps),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
-            SPLIT_K=split, SWAP_AB=cfg.swap_ab, QUANT_A=quant_a, HAS_BIAS=bias is not None,
+            SPLIT=split > 1, SWAP_AB=cfg.swap_ab, QUANT_A=quant_a, HAS_BIAS=bias is not None,
             A_TMA=a_tma, B_TMA=b_tma, EVEN_K=k % BLOCK_K == 0, PERSISTENT=cfg.persistent,
-            NUM_PROGS=grid[0] if cfg.persistent else 1, WARP_SPEC=cfg.warp_specialize,
+            WARP_SPEC=cfg.warp_specialize,
             SOFT_CVT=soft, WIDEN=widen, INTERPRET=_INTERPRET,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if split > 1:
             block = 1024
-            _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-                ws, out, bias_arg, m, n, out.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None,
+            launch(
+                _splitk_reduce_kernel, (triton.cdiv(m * n, block),), ws, out, bias_arg, m, n, out.stride(0), split,
+                HAS_BIAS=bias is not None,
                 BLOCK=block, num_warps=4)
     return out
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_scales: torch.Tensor,
        out_dtype: torch.dtype = torch.bfloat16, config: MMConfig | None = None) -> torch.Tensor:
-    """FP8 block GEMM ``out[m, n] = sum_j a_s[m, j] b_s[n // 128, j] (a_j . b_j)``.
-
-    Parameters
-    ----------
-    a, b : Tensor
-        e4m3 ``[M, K]`` (unit inner stride) and ``[N, K]`` (contiguous).
-    a_scales : Tensor
-        float32 ``[M, ceil(K / 128)]``, row- or column-major.
-    b_scales : Tensor
-        float32 ``[ceil(N / 128), ceil(K / 128)]`` (rows may be padded).
-    out_dtype : torch.dtype
-        bf16, fp16 or fp32.
-    config : MMConfig, optional
-        Explicit launch config (must pass :func:`config_ok`); default per M bucket.
+    """FP8 block GEMM ``out[m, n] = sum_j a_s[m, j] b_s[n // 128, j] (a_j . b_j)``:
+    the op ``fp8_block_mm`` (e4m3 ``a [M, K]``, ``b [N, K]``; fp32 ``a_scales``
+    row- or column-major, ``b_scales`` rows possibly padded) with an optional
+    explicit ``config`` (must pass :func:`config_ok`; default per M bucket).
 
     Examples
     --------
     >>> import torch  # doctest: +SKIP
     >>> a = torch.randn(3, 256, device="cuda").to(torch.float8_e4m3fn)  # doctest: +SKIP
     >>> b = torch.randn(128, 256, device="cuda").to(torch.float8_e4m3fn)  # doctest: +SKIP
-    >>> s = torch.ones(3, 2, device="cuda"); bs = torch.ones(1, 2, device="cuda")  # doctest: +SKIP
-    >>> mm(a, b, s, bs).shape  # doctest: +SKIP
+    >>> mm(a, b, torch.ones(3, 2, device="cuda"), torch.ones(1, 2, device="cuda")).shape  # doctest: +SKIP
     torch.Size([3, 128])
     """
     base.check_mm_args("fp8_block_mm", a, b, a_scales, b_scales, (128, 128), out_dtype)
@@ -792,42 +750,76 @@ def linear(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, out_dtype: 
     torch.Size([2, 128])
     """
     base.check_linear_args(x, b, b_scales, (128, 128), out_dtype, bias)
-    if fuse is None:
-        fuse = x.shape[0] <= FUSE_QUANT_MAX_M
-    if fuse:
+    return _linear(x, b, b_scales, out_dtype, bias, config, fuse)
+
+
+def _linear(x, b, b_scales, out_dtype, bias, config, fuse):
+    if fuse if fuse is not None else x.shape[0] <= FUSE_QUANT_MAX_M:
         return _run_mm(x, b, None, b_scales, out_dtype, bias, config, quant_a=True)
     q, s = per_token_group_quant(x, BLOCK_K)
     return _run_mm(q, b, s, b_scales, out_dtype, bias, config, quant_a=False)
 
 
+def precompile(n: int, k: int, device: torch.device, ms=(1, 16, 64, 128, 512, 4096), fused=(False, True),
+               configs: list[MMConfig] | None = None, workers: int = 8) -> int:
+    """Compile (in parallel threads) and load the GEMM kernels that calls of
+    these sizes launch (default configs, or ``configs``), so that no first call
+    compiles inside a CUDA-graph capture.  Returns the launches prepared.
+
+    Examples
+    --------
+    >>> precompile(2112, 7168, torch.device("cuda"))  # doctest: +SKIP
+    12
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+        mode = AsyncCompileMode(ThreadPoolExecutor(workers))
+    except ImportError:  # older Triton: compile one after another
+        mode = contextlib.nullcontext()
+    b = torch.empty(n, k, dtype=FP8_DTYPE, device=device)
+    bs = torch.ones(V.ceil_div(n, BLOCK_K), V.ceil_div(k, BLOCK_K), device=device)
+    jobs = 0
+    _WARMED.clear()
+    with mode:
+        for m in ms:
+            for f in fused:
+                a = torch.empty(m, k, dtype=torch.bfloat16 if f else FP8_DTYPE, device=device)
+                sa = torch.ones(V.ceil_div(k, BLOCK_K), m, device=device).t()
+                for cfg in configs or [None]:
+                    if cfg is None or config_ok(cfg, m, n, k, f)[0]:
+                        _run_mm(a, b, None if f else sa, bs, torch.bfloat16, None, cfg, f, warmup=True)
+                        jobs += 1
+    for kern in _WARMED:  # load the modules now too: a first launch would load them
+        kern = kern.result() if hasattr(kern, "result") else kern
+        if hasattr(kern, "_init_handles"):
+            kern._init_handles()
+    _WARMED.clear()
+    return jobs
+
+
 def autotune(m: int, n: int, k: int, device: torch.device, fused: bool = False,
              out_dtype: torch.dtype = torch.bfloat16) -> MMConfig:
-    """Time :func:`candidate_configs` on random operands; return the fastest.
-
-    Used when ``SCALEDMM_FP8_BLOCK_TRITON_AUTOTUNE=1`` (results cached per
-    M bucket, N, K, fused, out dtype); never during CUDA-graph capture.
-    """
+    """The fastest of :func:`candidate_configs` on random operands (median of
+    ``do_bench``).  Used when ``SCALEDMM_FP8_BLOCK_TRITON_AUTOTUNE=1``, cached per
+    (M bucket, N, K, fused, out dtype); never during CUDA-graph capture."""
     from triton.testing import do_bench
 
     gen = torch.Generator(device=device).manual_seed(0)
-    xa = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    kb = V.ceil_div(k, BLOCK_K)
+    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
     b = torch.randn(n, k, device=device, generator=gen).to(FP8_DTYPE)
-    bs = torch.rand(V.ceil_div(n, 128), V.ceil_div(k, 128), device=device, generator=gen) + 0.5
-    q, s = per_token_group_quant(xa, 128) if k % 128 == 0 else (xa.to(FP8_DTYPE), torch.ones(
-        m, V.ceil_div(k, 128), device=device))
-    best, best_t = None, float("inf")
+    bs = torch.rand(V.ceil_div(n, BLOCK_K), kb, device=device, generator=gen) + 0.5
+    a, sa = (x, None) if fused else (x.to(FP8_DTYPE), torch.rand(m, kb, device=device, generator=gen) + 0.5)
+    timed = []
     for cfg in candidate_configs(m, n, k, _num_sms(device), fused):
-        if fused:
-            fn = functools.partial(_run_mm, xa, b, None, bs, out_dtype, None, cfg, True)
-        else:
-            fn = functools.partial(_run_mm, q, b, s, bs, out_dtype, None, cfg, False)
+        fn = functools.partial(_run_mm, a, b, sa, bs, out_dtype, None, cfg, fused)
         try:
-            t = do_bench(fn, warmup=5, rep=20, return_mode="median")
-        except Exception:  # a config that does not compile or fit: skip it
+            timed.append((do_bench(fn, warmup=5, rep=20, return_mode="median"), cfg))
+        except Exception:  # a config that does not compile or fit here: skip it
             continue
-        if t < best_t:
-            best, best_t = cfg, t
-    return best if best is not None else default_config(m, n, k, _num_sms(device), fused)
+    return min(timed, key=lambda t: t[0])[1] if timed else default_config(m, n, k, _num_sms(device), fused)
 
 
 # ----------------------------------------------------------------------------
@@ -835,26 +827,18 @@ def autotune(m: int, n: int, k: int, device: torch.device, fused: bool = False,
 # ----------------------------------------------------------------------------
 
 
-def _quant_op(x, group_size=128, eps=1e-10, column_major_scales=False, scale_ue8m0=False):
-    return per_token_group_quant(x, group_size, eps, column_major_scales, scale_ue8m0)
-
-
 def _mm_op(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
     return _run_mm(a, b, a_scales, b_scales, out_dtype, None, None, quant_a=False)
 
 
 def _linear_op(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None):
-    fuse = x.shape[0] <= FUSE_QUANT_MAX_M
-    if fuse:
-        return _run_mm(x, b, None, b_scales, out_dtype, bias, None, quant_a=True)
-    q, s = per_token_group_quant(x, BLOCK_K)
-    return _run_mm(q, b, s, b_scales, out_dtype, bias, None, quant_a=False)
+    return _linear(x, b, b_scales, out_dtype, bias, None, None)
 
 
 backends.register(Backend(
     base.FAMILY, NAME,
     impls={
-        "per_token_group_quant_fp8": _quant_op,
+        "per_token_group_quant_fp8": per_token_group_quant,
         "fp8_block_mm": _mm_op,
         "fp8_block_linear": _linear_op,
     },

@@ -249,10 +249,9 @@ def quant(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool = True
 # 3. e2m1 decoders
 # ----------------------------------------------------------------------------
 #
-# Both take packed bytes ``[R, C]`` and a per-byte scale ``[R, C]`` (the block
-# scale broadcast over its 8 bytes) and return the values of the low and the
-# high nibbles ``(lo, hi)``, each ``[R, C]``; ``tl.interleave(lo, hi)`` is the
-# decoded ``[R, 2C]`` row in K order.
+# Both take packed bytes ``[R, C]`` and the block scales broadcast over their
+# 8 bytes (``[R, C]``); :func:`_load_fp4_tile` turns their results into the
+# decoded ``[R, 2C]`` tile in K order.
 #
 # Trick shared by both: the fp16 bit pattern ``sign << 15 | mag << 9`` of a
 # code (mag = its 3-bit magnitude index) is exactly ``e2m1(code) * 2**-14``:
@@ -472,7 +471,15 @@ def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
-SMEM_BYTES = 220 * 1024  # usable shared memory per block on sm90 (sm80: 163 KB)
+SMEM_BYTES = 220 * 1024  # per-block shared memory assumed when the device cannot be asked
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(device: torch.device) -> int:
+    if not torch.cuda.is_available():
+        return SMEM_BYTES
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", SMEM_BYTES) - 4096  # Triton's own scratch
 
 
 def smem_estimate(cfg: GemmConfig, w4a16: bool) -> int:
@@ -507,7 +514,7 @@ def config_ok(cfg: GemmConfig, p: Problem, device: torch.device | None = None) -
         return False, f"decode must be one of {DECODERS}, got {cfg.decode!r}"
     if cfg.decode != "triton" and dev.type != "cuda":
         return False, "the PTX decoders need a CUDA device"
-    if dev.type == "cuda" and smem_estimate(cfg, w4a16) > SMEM_BYTES:
+    if dev.type == "cuda" and smem_estimate(cfg, w4a16) > _smem_limit(dev):
         return False, f"needs about {smem_estimate(cfg, w4a16)} bytes of shared memory"
     return True, "ok"
 
@@ -567,7 +574,7 @@ def default_config(p: Problem) -> GemmConfig:
 def candidate_configs(p: Problem) -> list[GemmConfig]:
     """The configs autotuning tries for ``p`` (all valid under :func:`config_ok`)."""
     b = m_bucket(p.m)
-    bm = (16, 32, 64, 128, 256)[min(b + (1 if b else 0), 4)] if b else 16
+    bm = (16, 64, 128, 256)[b]
     out = []
     for bn, bk, w, st in ((64, 256, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3), (64, 128, 4, 5),
                           (128, 64, 8, 4), (32, 512, 4, 3), (256, 64, 8, 3)):
@@ -670,18 +677,21 @@ def _gemm_kernel(w_ptr, ws_ptr, x_ptr, xs_ptr, out_ptr, bias_ptr, alpha_ptr, par
     o_mask = (rm < M)[None, :] & (rn < N)[:, None]
     if SPLIT_K > 1:
         # deterministic split-K: partials to a workspace, the last program of
-        # the tile (release/acquire counter) adds them in split order
+        # the tile (release/acquire counter) adds them in split order and
+        # puts the counter back to 0 for the next launch on the stream
         tile_elems = M.to(tl.int64) * N
         p_off = rm[None, :].to(tl.int64) * N + rn[:, None]
         tl.store(part_ptr + pid_k * tile_elems + p_off, acc, mask=o_mask)
         tl.debug_barrier()
-        count = tl.atomic_add(lock_ptr + pid_n * num_m + pid_m, 1, sem="acq_rel", scope="gpu")
+        lock = lock_ptr + pid_n * num_m + pid_m
+        count = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if count == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 acc += tl.load(part_ptr + s * tile_elems + p_off, mask=o_mask, other=0.0,
                                cache_modifier=".cg")
             _epilogue(acc, out_ptr, o_off, o_mask, rn, N, bias_ptr, alpha_ptr, fold, HAS_BIAS)
+            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
     else:
         _epilogue(acc, out_ptr, o_off, o_mask, rn, N, bias_ptr, alpha_ptr, fold, HAS_BIAS)
 
@@ -726,6 +736,26 @@ def dequant_fp16(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Split-K tile counters: each launch leaves them at 0 (the last program of a
+# tile resets its counter), so one zeroed buffer per (device, stream) serves
+# every split-K launch on that stream without a memset; launches on one stream
+# never overlap.  Inside CUDA-graph capture a stream met for the first time,
+# more tiles than the buffer holds, or the CPU get fresh zeros (a memset).
+COUNTER_SLOTS = 16384
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    if device.type == "cuda" and tiles <= COUNTER_SLOTS:
+        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+        buf = _COUNTERS.get(key)
+        if buf is None and not torch.cuda.is_current_stream_capturing():
+            buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+        if buf is not None:
+            return buf
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
+
+
 def _launch(w, w_s, x, x_s, alpha, bias, out_dtype, cfg: GemmConfig, x_fp4: bool) -> torch.Tensor:
     """One GEMM launch (plus the split-K workspace); ``x`` is packed when ``x_fp4``."""
     m = x.shape[0]
@@ -748,7 +778,7 @@ def _launch(w, w_s, x, x_s, alpha, bias, out_dtype, cfg: GemmConfig, x_fp4: bool
     num_n = triton.cdiv(n, cfg.block_n)
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=w.device)
-        lock = torch.zeros((num_n * num_m,), dtype=torch.int32, device=w.device)
+        lock = _tile_counters(w.device, num_n * num_m)
     else:
         part = lock = out  # unused
     _gemm_kernel[(num_n * num_m, split)](

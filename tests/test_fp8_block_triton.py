@@ -95,11 +95,11 @@ def _codegen_main() -> None:
         a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, 128]) if cfg.tma else T._bytes_view(a, widen)
         b_arg = TensorDescriptor.from_tensor(b, [cfg.block_n, 128]) if cfg.tma else T._bytes_view(b, widen)
         return T._mm_kernel.warmup(
-            a_arg, b_arg, out, out, out if fused else sa, sb, out, m, n, k, a.stride(0), b.stride(0),
+            a_arg, b_arg, out, out, out if fused else sa, sb, out, m, n, k, cfg.split_k, a.stride(0), b.stride(0),
             out.stride(0), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), 1e-10,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, GROUP_M=cfg.group_m, SPLIT=cfg.split_k > 1,
             SWAP_AB=cfg.swap_ab, QUANT_A=fused, HAS_BIAS=False, A_TMA=cfg.tma, B_TMA=cfg.tma, EVEN_K=True,
-            PERSISTENT=cfg.persistent, NUM_PROGS=132, WARP_SPEC=cfg.warp_specialize, SOFT_CVT=soft,
+            PERSISTENT=cfg.persistent, WARP_SPEC=cfg.warp_specialize, SOFT_CVT=soft,
             WIDEN=widen, INTERPRET=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
 
     failures = []

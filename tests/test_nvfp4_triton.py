@@ -51,48 +51,47 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float6
 # ----------------------------------------------------------------------------
 
 
-def swz_offsets(rows: int, cols: int) -> torch.Tensor:
+def swz_offsets(rows: int, cols: int, device="cpu") -> torch.Tensor:
     """SPEC's flat offset of S[r, c] in the swizzled layout, ``[R', C']`` int64."""
     rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
-    r = torch.arange(rp).view(-1, 1)
-    c = torch.arange(cp).view(1, -1)
+    r = torch.arange(rp, device=device).view(-1, 1)
+    c = torch.arange(cp, device=device).view(1, -1)
     return ((r // 128) * (cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
 
 
 def swizzle(s: torch.Tensor) -> torch.Tensor:
     rows, cols = s.shape
-    off = swz_offsets(rows, cols)
-    flat = torch.zeros(off.numel(), dtype=torch.uint8)
-    padded = torch.zeros(off.shape, dtype=torch.uint8)
+    off = swz_offsets(rows, cols, s.device)
+    flat = torch.zeros(off.numel(), dtype=torch.uint8, device=s.device)
+    padded = torch.zeros(off.shape, dtype=torch.uint8, device=s.device)
     padded[:rows, :cols] = s.view(torch.uint8)
     flat[off.flatten()] = padded.flatten()
     return flat.view(off.shape).view(FP8)
 
 
 def unswizzle(s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    off = swz_offsets(rows, cols)
-    return s.cpu().view(torch.uint8).flatten()[off.flatten()].view(off.shape)[:rows, :cols].view(FP8)
+    off = swz_offsets(rows, cols, s.device)
+    return s.view(torch.uint8).flatten()[off.flatten()].view(off.shape)[:rows, :cols].view(FP8)
 
 
 def e2m1_nearest(v: torch.Tensor) -> torch.Tensor:
     """Code (sign << 3 | index) of the nearest e2m1 value to ``v`` (|v| <= 6),
     a tie going to the even index: a float64 nearest-value search."""
     a = v.double().abs().unsqueeze(-1)
-    d = (a - E2M1).abs()
+    d = (a - E2M1.to(v.device)).abs()
     best = d.min(dim=-1, keepdim=True).values
     cand = (d == best)
-    even = cand & (torch.arange(8) % 2 == 0)
+    even = cand & (torch.arange(8, device=v.device) % 2 == 0)
     idx = torch.where(even.any(-1), even.int().argmax(-1), cand.int().argmax(-1))
     return idx.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
 
 
 def spec_quant(x: torch.Tensor, gs: torch.Tensor, swz: bool):
     """SPEC's rule: fp32 arithmetic in the order written, torch's e4m3 cast
-    (nearest even) after clamping (saturation), nearest-even e2m1."""
-    x = x.cpu()
+    (nearest even) after clamping (saturation), nearest-even e2m1; on x's device."""
     m, k = x.shape
     xb = x.float().reshape(m, k // 16, 16)
-    g = gs.cpu().float().reshape(())
+    g = gs.to(x.device).float().reshape(())
     amax = xb.abs().amax(-1)
     s8 = (g * amax / 6.0).clamp(max=448.0).to(FP8)
     sf = s8.float().unsqueeze(-1)
@@ -103,11 +102,10 @@ def spec_quant(x: torch.Tensor, gs: torch.Tensor, swz: bool):
 
 
 def decode(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """float64 ``[R, K]`` values of packed codes with swizzled scales."""
-    q = q.cpu()
+    """float64 ``[R, K]`` values of packed codes with swizzled scales, on q's device."""
     rows, k = q.shape[0], 2 * q.shape[1]
     codes = torch.stack((q & 15, q >> 4), -1).reshape(rows, k).long()
-    val = E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
+    val = E2M1.to(q.device)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
     return val * unswizzle(s, rows, k // 16).double().repeat_interleave(16, dim=1)
 
 
@@ -243,6 +241,19 @@ def test_quant_matches_op_reference():
     assert torch.equal(q, q2) and torch.equal(s.view(torch.uint8), s2.view(torch.uint8))
 
 
+@interp
+def test_e4m3_scale_decode_all_codes():
+    """Every e4m3 code as a block scale (1.0 codes): the integer e4m3 decoder
+    of sm80 / the interpreter gives each value exactly, NaN for 0x7F."""
+    codes = torch.arange(128, dtype=torch.int32).to(torch.uint8)
+    q = torch.full((128, 8), 0x22, dtype=torch.uint8)  # e2m1 1.0 in both nibbles
+    s = swizzle(codes.view(FP8).reshape(128, 1))
+    out = nt.dequant_fp16(q, s).float()
+    want = codes.view(FP8).float()
+    assert torch.equal(out[:127], want[:127].unsqueeze(1).expand(127, 16))
+    assert out[127].isnan().all()
+
+
 # ----------------------------------------------------------------------------
 # Interpreter: GEMMs
 # ----------------------------------------------------------------------------
@@ -293,6 +304,22 @@ def test_w4a16_exact(monkeypatch, cfg, xdtype):
     ref = ref_mm(x.double(), decode(qb, sb), alpha, None)
     assert not out.isnan().any()
     assert rel_err(out, ref) < 1e-5
+
+
+@interp
+def test_split_k_counters_reset(monkeypatch):
+    """The last program of each tile puts its counter back to 0, so one buffer
+    serves consecutive split-K launches (the GPU keeps one per stream)."""
+    shared = torch.zeros(64, dtype=torch.int32)
+    monkeypatch.setattr(nt, "_tile_counters", lambda device, tiles: shared)
+    qa, sa = quantized(5, 256, "cpu")
+    qb, sb = quantized(40, 256, "cpu", gs=20.0)
+    ref = ref_mm(decode(qa, sa), decode(qb, sb), 1.0, None)
+    for cfg in (nt.GemmConfig(16, 16, 64, split_k=4, decode=TT), nt.GemmConfig(32, 16, 64, split_k=3, decode=TT)):
+        for _ in range(2):
+            out = nt.run_mm(qa, qb, sa, sb, torch.tensor(1.0), torch.float32, None, cfg)
+            assert rel_err(out, ref) < 1e-5
+            assert not shared.any()
 
 
 @interp
@@ -587,15 +614,18 @@ def test_gpu_quant_exact(m, swz):
     gs = torch.tensor(1.0, device="cuda")
     q, s = nt.quant(x, gs, swz)
     q_ref, s_ref = spec_quant(x, gs, swz)
-    assert torch.equal(q.cpu(), q_ref)
-    assert torch.equal(s.view(torch.uint8).cpu(), s_ref.view(torch.uint8))
+    assert torch.equal(q, q_ref)
+    assert torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
 
 
 def _gpu_case(m, n, k, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    qa, sa = spec_quant(torch.randn(m, k, generator=g) * 2, torch.tensor(300.0), True)
-    qb, sb = spec_quant(torch.randn(n, k, generator=g) * 0.02, torch.tensor(40000.0), True)
-    return [t.cuda() for t in (qa, sa, qb, sb)]
+    """Quantized operands (the op module's reference quantizer, on the GPU)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qa, sa = nt.nv.reference_quant(torch.randn(m, k, generator=g, device="cuda") * 2,
+                                   torch.tensor(300.0, device="cuda"), True)
+    qb, sb = nt.nv.reference_quant(torch.randn(n, k, generator=g, device="cuda") * 0.02,
+                                   torch.tensor(40000.0, device="cuda"), True)
+    return qa, sa, qb, sb
 
 
 @requires_cuda
@@ -608,7 +638,7 @@ def test_gpu_w4a4_default_config(monkeypatch, n, k, m):
     bias = torch.randn(n, device="cuda")
     with scaledmm.use_backend("nvfp4", "triton"):
         out = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha, torch.float32, bias)
-    ref = ref_mm(decode(qa, sa).cuda(), decode(qb, sb).cuda(), alpha.item(), bias)
+    ref = ref_mm(decode(qa, sa), decode(qb, sb), alpha.item(), bias)
     assert not out.isnan().any()
     assert rel_err(out, ref) < 1e-5
 
@@ -626,7 +656,7 @@ def test_gpu_w4a16_decoders(decode_mode, xdtype, m):
     sb_tiny = sb_tiny.view(FP8)
     x = torch.randn(m, k, device="cuda").to(xdtype)
     for scales in (sb, sb_tiny):
-        ref = ref_mm(x.double(), decode(qb, scales).cuda(), 2.0, None)
+        ref = ref_mm(x.double(), decode(qb, scales), 2.0, None)
         for cfg in (nt.GemmConfig(64, 16, 256, decode=decode_mode, num_stages=4),
                     nt.GemmConfig(128, 64, 64, split_k=2, decode=decode_mode, num_warps=8),
                     nt.GemmConfig(64, 32, 128, split_k=3, decode=decode_mode)):
@@ -646,8 +676,10 @@ def test_gpu_w4a4_configs(cfg, m):
     qa, sa, qb, sb = _gpu_case(m, n, k, seed=m)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     out = nt.run_mm(qa, qb, sa, sb, torch.tensor(1e-4, device="cuda"), torch.float32, bias, cfg)
-    ref = ref_mm(decode(qa, sa).cuda(), decode(qb, sb).cuda(), 1e-4, bias)
+    ref = ref_mm(decode(qa, sa), decode(qb, sb), 1e-4, bias)
     assert rel_err(out, ref) < 1e-5
+    torch.cuda.synchronize()
+    assert all(not buf.any() for buf in nt._COUNTERS.values())  # split-K counters back at 0
 
 
 @requires_cuda
@@ -661,7 +693,7 @@ def test_gpu_strided_and_zero_rows():
         out = torch.ops.scaledmm.nvfp4_mm(wide[:, 32:32 + k // 2], qb, sa, sb, alpha, torch.float32)
         empty = torch.ops.scaledmm.nvfp4_mm(qa[:0], qb, sa[:0], sb, alpha, torch.float32)
     assert empty.shape == (0, n)
-    assert rel_err(out, ref_mm(decode(qa, sa).cuda(), decode(qb, sb).cuda(), 1.0, None)) < 1e-5
+    assert rel_err(out, ref_mm(decode(qa, sa), decode(qb, sb), 1.0, None)) < 1e-5
 
 
 @requires_cuda
@@ -690,6 +722,21 @@ def test_gpu_cuda_graph_capture_and_replay():
     for a, b in zip(captured, again):
         assert torch.equal(a, b)
     assert not torch.equal(captured[0], eager[0])
+
+
+@requires_cuda
+def test_gpu_autotune(monkeypatch):
+    monkeypatch.setenv("SCALEDMM_NVFP4_TRITON_AUTOTUNE", "1")
+    monkeypatch.setattr(nt, "_TUNED", {})
+    real = nt.candidate_configs
+    monkeypatch.setattr(nt, "candidate_configs", lambda p: real(p)[:3])  # keep compile time short
+    qa, sa, qb, sb = _gpu_case(8, 512, 1024)
+    alpha = torch.tensor(1e-4, device="cuda")
+    out = nt.mm(qa, qb, sa, sb, alpha, torch.float32, None)
+    assert len(nt._TUNED) == 1
+    cfg = next(iter(nt._TUNED.values()))
+    assert nt.config_ok(cfg, nt.nv.mm_problem(qa, qb, torch.float32, None))[0]
+    assert rel_err(out, ref_mm(decode(qa, sa), decode(qb, sb), 1e-4, None)) < 1e-5
 
 
 @requires_cuda

@@ -1,0 +1,267 @@
+"""GPU check and timing of the Triton fp8_block backend (ops/fp8_block_triton.py)
+against cuBLAS blockwise (``torch._scaled_mm``, backend ``cublas``), the padded
+op (M % 4 != 0 through cuBLAS) and bf16 ``F.linear``.  Run from the repository
+root::
+
+    python benchmarks/device_fp8_block.py            # about 2 minutes
+    python benchmarks/device_fp8_block.py --quick    # M in {1, 16, 128, 4096}
+
+Stages (each guarded: a failure is printed and the rest still runs):
+
+1. environment, device-to-device copy bandwidth (the byte ceiling);
+2. ``per_token_group_quant_fp8`` at M=4096, K=7168 (bf16): bit-exactness
+   against the reference on the device, then achieved bandwidth (bytes read +
+   written) for rows-per-program 8/16/32, row/column-major and ue8m0 scales,
+   as a fraction of the copy bandwidth;
+3. every kernel the later stages launch is compiled up front, in parallel
+   (``fp8_block_triton.precompile``);
+4. DeepSeek-V3 shapes x M in {1, 4, 16, 64, 128, 512, 4096}: bf16 F.linear,
+   cuBLAS (the padded op when M % 4 != 0), Triton with its default config and
+   a few alternatives per M bucket, and ``fp8_block_linear`` fused (quantize
+   inside the GEMM) vs quantize-then-GEMM.  Each output is checked against
+   float64 (float32 without TF32 above M = 512): rel. error < 8e-3, no NaN.
+
+Timing (benchmarks/timing.py): cold L2 (weight copies rotating, > 2x L2 in
+all), CUDA events, median; calls under 100 us as CUDA-graph replay.  Floors:
+bytes (weight + activation + scales + output, once) over the measured copy
+bandwidth, and FLOPs over 1979 TFLOP/s (H200 dense FP8).  Prints a compact
+table at the end (times in us) plus the best Triton config per (M bucket, N,
+K) as ``_TUNED`` lines; details to ``$OUT/fp8_block_triton.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048), (576, 7168)]
+MS = (1, 4, 16, 64, 128, 512, 4096)
+QUICK_MS = (1, 16, 128, 4096)
+TOL = 8e-3
+FP8_PEAK = 1979e12
+BUDGET_S = 125.0  # after this, only defaults and baselines are timed
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def alternatives(m: int, n: int, k: int, sms: int):
+    """The default config of M's bucket first, then a few others worth a look."""
+    from scaledmm.ops import fp8_block_triton as T
+
+    d = T.default_config(m, n, k, sms)
+    split = lambda bm, bn: T._split_for(m, n, k, bm, bn, sms)  # noqa: E731
+    b = T.m_bucket(m)
+    C = T.MMConfig
+    if b == 0:
+        alts = [C(16, 128, split(16, 128), True, num_stages=6), C(16, 64, max(1, d.split_k // 2), True, num_stages=4),
+                C(16, 64, split(16, 64), False, num_stages=6)]
+    elif b == 1:
+        alts = [C(32, 64, split(32, 64), True, num_stages=6), C(64, 128, split(64, 128), False, num_stages=4),
+                C(64, 64, split(64, 64), False, num_stages=4)]
+    elif b == 2:
+        alts = [C(128, 128, split(128, 128), num_warps=8, num_stages=4),
+                C(128, 64, split(128, 64), True, num_warps=8, num_stages=4), C(64, 64, split(64, 64), True, num_stages=5)]
+    elif b == 3:
+        alts = [C(128, 128, num_warps=8, num_stages=4, tma=True),
+                C(128, 128, num_warps=8, num_stages=4, tma=True, persistent=True),
+                C(64, 128, split(64, 128), num_stages=4)]
+    else:
+        alts = [C(128, 128, num_warps=8, num_stages=4, tma=True, persistent=True),
+                C(128, 128, num_warps=8, num_stages=4, tma=True, persistent=True, warp_specialize=True),
+                C(128, 128, num_warps=8, num_stages=3), C(64, 256, num_warps=8, num_stages=4, tma=True, persistent=True)]
+    out = [d]
+    for c in alts:
+        if c not in out and T.config_ok(c, m, n, k)[0]:
+            out.append(c)
+    return out
+
+
+def bench_shape(n, k, ms, sms, copy_bw, tcfg, report) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import scaledmm
+    from benchmarks import timing
+    from scaledmm.ops import fp8_block as base
+    from scaledmm.ops import fp8_block_triton as T
+
+    dev = torch.device("cuda")
+    kb, nb = k // 128, math.ceil(n / 128)
+    gen = torch.Generator(device=dev).manual_seed(n + k)
+    w_bytes = n * k
+    copies = timing.copies_for(w_bytes, tcfg)
+    ws = [((torch.randn(n, k, device=dev, generator=gen) * 2).to(torch.float8_e4m3fn),
+           torch.rand(nb, kb, device=dev, generator=gen) + 0.05) for _ in range(copies)]
+    wb = [(w.float() * s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)).to(torch.bfloat16)
+          for w, s in ws[:timing.copies_for(2 * w_bytes, tcfg)]]
+    w64 = ws[0][0].double() * ws[0][1].double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
+    for m in ms:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        q, s = T.per_token_group_quant(x, 128, column_major_scales=True)
+        ref_dtype = torch.float64 if m <= 512 else torch.float32
+        ref = (q.to(ref_dtype) * s.to(ref_dtype).repeat_interleave(128, 1)) @ w64.to(ref_dtype).t()
+        lin_ref = base.reference_linear(x, ws[0][0], ws[0][1], (128, 128), torch.float32).double()
+        nbytes = n * k + nb * kb * 4 + m * k + m * kb * 4 + m * n * 2
+        floor_us = max(nbytes / copy_bw, 2.0 * m * n * k / FP8_PEAK) * 1e6
+        point = {"n": n, "k": k, "m": m, "floor_us": floor_us, "us": {}, "err": {}, "cfg": {}}
+
+        def run(name, fn_for_copy, check_ref, cfg=None):
+            if time.perf_counter() - T0 > BUDGET_S and cfg is not None and name.startswith("alt"):
+                return
+            try:
+                out = fn_for_copy(0)
+                err = float((out.double() - check_ref).norm() / check_ref.norm())
+                bad = bool(out.isnan().any()) or not err < TOL
+                point["err"][name] = err
+                if bad:
+                    report["errors"].append(f"{n}x{k} M={m} {name}: rel err {err:.2e}, NaN {out.isnan().any()}")
+                t = timing.measure([lambda i=i: fn_for_copy(i) for i in range(copies)], dev, tcfg)
+                point["us"][name] = t.median_us
+                if cfg is not None:
+                    point["cfg"][name] = cfg.short()
+            except Exception as e:  # one provider failing must not stop the table
+                report["errors"].append(f"{n}x{k} M={m} {name}: {type(e).__name__}: {str(e)[:200]}")
+
+        run("bf16", lambda i: F.linear(x, wb[i % len(wb)]), lin_ref)
+        if m % 4 == 0:
+            run("cublas", lambda i: base.cublas_mm(q, ws[i][0], s, ws[i][1], (128, 128), torch.bfloat16), ref)
+        else:
+            def padded(i):
+                with scaledmm.use_backend("fp8_block", "cublas"):
+                    return torch.ops.scaledmm.padded_fp8_block_mm(q, ws[i][0], s, ws[i][1])
+            run("padded", padded, ref)
+        for j, cfg in enumerate(alternatives(m, n, k, sms)):
+            run("triton" if j == 0 else f"alt{j}",
+                lambda i, c=cfg: T.mm(q, ws[i][0], s, ws[i][1], torch.bfloat16, c), ref, cfg)
+        if m <= 128:
+            run("lin_fused", lambda i: T.linear(x, ws[i][0], ws[i][1], fuse=True), lin_ref)
+            run("lin_2step", lambda i: T.linear(x, ws[i][0], ws[i][1], fuse=False), lin_ref)
+        report["points"].append(point)
+        us = point["us"]
+        tri = [v for kk, v in us.items() if kk == "triton" or kk.startswith("alt")]
+        log(f"{n:>5}x{k:<5} M={m:<4} floor {floor_us:7.1f} bf16 {us.get('bf16', math.nan):7.1f} "
+            f"cublas {us.get('cublas', us.get('padded', math.nan)):7.1f} triton {us.get('triton', math.nan):7.1f} "
+            f"best {min(tri) if tri else math.nan:7.1f} fused {us.get('lin_fused', math.nan):7.1f} "
+            f"2step {us.get('lin_2step', math.nan):7.1f}")
+
+
+def copy_bandwidth(torch, timing, dev, tcfg) -> float:
+    src = torch.empty(1 << 29, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    t = timing.measure([lambda: dst.copy_(src)], dev, tcfg)
+    return 2 * src.numel() / (t.median_us * 1e-6)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    import torch
+
+    import scaledmm
+    from benchmarks import timing
+    from scaledmm.ops import fp8_block as base
+    from scaledmm.ops import fp8_block_triton as T
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    sms = props.multi_processor_count
+    import triton
+
+    log(f"torch {torch.__version__}, triton {triton.__version__}, {props.name}, {sms} SMs, "
+        f"L2 {getattr(props, 'L2_cache_size', 0) >> 20} MB; backends {scaledmm.backends.names('fp8_block')}")
+    tcfg = timing.TimingConfig.for_device(dev, quick=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    report = {"device": props.name, "points": [], "quant": [], "errors": []}
+    ms = QUICK_MS if args.quick else MS
+
+    # 1. copy bandwidth ---------------------------------------------------
+    copy_bw = copy_bandwidth(torch, timing, dev, tcfg)
+    report["copy_bw"] = copy_bw
+    log(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
+
+    # 2. quant kernel -----------------------------------------------------
+    try:
+        x = torch.randn(4096, 7168, device=dev, dtype=torch.bfloat16) * 3
+        for col, ue8m0 in ((False, False), (True, False), (True, True)):
+            qr, sr = base.reference_quant(x, 128, 1e-10, col, ue8m0)
+            for rows in (8, 16, 32):
+                q, s = T.per_token_group_quant(x, 128, 1e-10, col, ue8m0, block_rows=rows)
+                exact = torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+                xs = [torch.randn_like(x) for _ in range(2)]
+                t = timing.measure([lambda xi=xi: T.per_token_group_quant(xi, 128, 1e-10, col, ue8m0, block_rows=rows)
+                                    for xi in xs], dev, tcfg)
+                nbytes = x.numel() * 2 + x.numel() + s.numel() * 4
+                bw = nbytes / (t.median_us * 1e-6)
+                rec = dict(col=col, ue8m0=ue8m0, rows=rows, exact=exact, us=t.median_us, bw=bw, frac=bw / copy_bw)
+                report["quant"].append(rec)
+                log(f"quant col={col:d} ue8m0={ue8m0:d} rows={rows:2d}: exact={exact} {t.median_us:7.1f} us "
+                    f"{bw / 1e12:.2f} TB/s = {100 * bw / copy_bw:.0f}% of copy")
+        del x, xs, q, s, qr, sr
+    except Exception as e:  # keep going: the GEMMs matter more
+        report["errors"].append(f"quant: {e!r}")
+        traceback.print_exc()
+
+    # 3. precompile -------------------------------------------------------
+    t_pc = time.perf_counter()
+    jobs = 0
+    for n, k in SHAPES:
+        cfgs = sorted({c for m in ms for c in alternatives(m, n, k, sms)}, key=str)
+        jobs += T.precompile(n, k, dev, ms=ms, fused=(False,), configs=cfgs, workers=16)
+        jobs += T.precompile(n, k, dev, ms=[m for m in ms if m <= 128], fused=(True,), workers=16)
+    log(f"precompiled {jobs} launches in {time.perf_counter() - t_pc:.1f}s")
+
+    # 4. GEMMs ------------------------------------------------------------
+    for n, k in SHAPES:
+        bench_shape(n, k, ms, sms, copy_bw, tcfg, report)
+
+    # report --------------------------------------------------------------
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "fp8_block_triton.json").write_text(json.dumps(report, indent=1))
+    print("\n== fp8_block Triton (us, median, cold L2; floor = max(bytes/copy BW, FLOP/1979T)) ==")
+    print(f"{'N x K':>12} {'M':>5} {'floor':>7} {'bf16':>7} {'cuBLAS':>7} {'triton':>7} {'best':>7} "
+          f"{'best cfg':<20} {'fused':>7} {'2step':>7} {'TF/s':>6}")
+    tuned = {}
+    for p in report["points"]:
+        us = p["us"]
+        tri = {kk: v for kk, v in us.items() if kk == "triton" or kk.startswith("alt")}
+        best = min(tri, key=tri.get) if tri else None
+        tf = 2 * p["m"] * p["n"] * p["k"] / (tri[best] * 1e-6) / 1e12 if best else math.nan
+        print(f"{p['n']:>6}x{p['k']:<5} {p['m']:>5} {p['floor_us']:7.1f} {us.get('bf16', math.nan):7.1f} "
+              f"{us.get('cublas', us.get('padded', math.nan)):7.1f} {us.get('triton', math.nan):7.1f} "
+              f"{tri.get(best, math.nan):7.1f} {p['cfg'].get(best, '-'):<20} {us.get('lin_fused', math.nan):7.1f} "
+              f"{us.get('lin_2step', math.nan):7.1f} {tf:6.0f}")
+        if best and best != "triton":
+            tuned[(T.m_bucket(p["m"]), p["n"], p["k"])] = p["cfg"][best]
+    q_ok = [r for r in report["quant"] if r["exact"]]
+    if report["quant"]:
+        bq = max(report["quant"], key=lambda r: r["frac"])
+        print(f"quant M=4096 K=7168: best {bq['us']:.1f} us = {100 * bq['frac']:.0f}% of copy BW "
+              f"(rows={bq['rows']}, col={bq['col']}, ue8m0={bq['ue8m0']}); bit-exact {len(q_ok)}/{len(report['quant'])}")
+    print("configs that beat the default (bucket, N, K): config  -> candidates for _TUNED")
+    for key, c in sorted(tuned.items()):
+        print(f"  {key}: {c}")
+    print(f"errors: {len(report['errors'])}")
+    for e in report["errors"][:20]:
+        print("  " + e)
+    log("done")
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
