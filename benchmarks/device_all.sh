@@ -23,7 +23,7 @@ for stage in "$@"; do
   name=$(echo "$stage" | tr -c 'A-Za-z0-9_.-' '_' | cut -c1-40)
   t0=$(date +%s)
   case "$stage" in
-    tests) timeout 420 python3 -m pytest tests compile_tests -q -p no:cacheprovider -n 12 --timeout 150 -rfE \
+    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest tests compile_tests -q -p no:cacheprovider -n 12 --timeout 100 -rfE \
              --junitxml="$OUT/junit.xml" -W ignore::pytest_benchmark.logger.PytestBenchmarkWarning >"$OUT/$name.log" 2>&1 ;;
     tests:*) timeout 420 python3 -m pytest ${stage#tests:} -q -p no:cacheprovider --timeout 150 -rfE >"$OUT/$name.log" 2>&1 ;;
     bench:*) timeout 420 python3 -m benchmarks ${stage#bench:} --out "$OUT/bench" >"$OUT/$name.log" 2>&1 ;;

@@ -70,6 +70,20 @@ def graph_targets(gm: torch.fx.GraphModule) -> list[str]:
     return names
 
 
+def cond_branches(gm: torch.fx.GraphModule) -> list[tuple[list[str], list[str]]]:
+    """``(true branch targets, false branch targets)`` of every ``torch.cond``
+    in ``gm`` (and its subgraphs), in graph order."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.higher_order.cond:
+            t_attr, f_attr = node.args[1], node.args[2]
+            out.append((graph_targets(getattr(gm, t_attr.target)), graph_targets(getattr(gm, f_attr.target))))
+    for sub in gm.children():
+        if isinstance(sub, torch.fx.GraphModule):
+            out += cond_branches(sub)
+    return out
+
+
 def dynamo_graph(fn: Callable, args: tuple, dynamic: bool) -> torch.fx.GraphModule:
     """The Dynamo (pre-AOT) graph of ``fn``."""
     torch._dynamo.reset()

@@ -31,6 +31,7 @@ Examples
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from scaledmm import backends
 from scaledmm import validation as V
@@ -55,8 +56,11 @@ CHANNEL = "channel"  # scale_b [N] or [1, N]
 
 
 def _is_one_element(t: torch.Tensor) -> bool:
-    """0-D, [1] or [1, 1]: a per-tensor scale."""
-    return t.dim() <= 2 and all(s == 1 for s in t.shape)
+    """0-D, [1] or [1, 1]: a per-tensor scale.  A symbolic size counts as 1
+    only when it is 1 for every value of its symbols (no guard), so an
+    ``[M, 1]`` per-token scale with a dynamic M stays one graph for M = 1 too
+    (both kinds compute the same thing when M = 1)."""
+    return t.dim() <= 2 and all(statically_known_true(s == 1) for s in t.shape)
 
 
 def check_quant_args(x: torch.Tensor, scale: torch.Tensor | None, per_token: bool) -> None:
@@ -200,12 +204,12 @@ def reference_quant(x: torch.Tensor, scale: torch.Tensor | None = None,
         s.copy_(scale)
     elif per_token:
         amax = xf.abs().amax(dim=1, keepdim=True) if k else xf.new_zeros((m, 1))
-        sv = torch.clamp(amax, min=AMAX_FLOOR) / FP8_MAX
+        sv = torch.clamp(amax, min=AMAX_FLOOR) / amax.new_tensor(FP8_MAX)  # true division on CUDA too
         s.copy_(sv)
     else:
         ax = xf.abs()
         amax = torch.where(torch.isfinite(ax), ax, 0.0).amax() if x.numel() else xf.new_zeros(())
-        sv = (torch.clamp(amax, min=AMAX_FLOOR) / FP8_MAX).reshape(1, 1)
+        sv = (torch.clamp(amax, min=AMAX_FLOOR) / amax.new_tensor(FP8_MAX)).reshape(1, 1)
         s.copy_(sv.reshape(1))
     q.copy_(torch.clamp(xf / sv, -FP8_MAX, FP8_MAX))
     return q, s

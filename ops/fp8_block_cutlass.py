@@ -29,9 +29,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import hashlib
 import importlib.util
+import json
 import os
 import re
+import subprocess
 import threading
 from pathlib import Path
 
@@ -53,8 +56,9 @@ OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 ENV_CUTLASS_INCLUDE = "SCALEDMM_CUTLASS_INCLUDE"
 # CUTLASS version assumed for pre-built libraries on a machine without the
-# headers (the cache key must be the same on the machine that built them).
+# headers (the cache key must be the same as on the machine that built them).
 PINNED_CUTLASS_VERSION = "4.2.0"
+PINNED_NVCC_RELEASE = "13.0"  # likewise for a machine without nvcc
 _MARKER = "cutlass/gemm/collective/sm90_mma_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp"
 NVCC_OPTIONS = ("--expt-relaxed-constexpr", "-DNDEBUG")
 
@@ -327,17 +331,32 @@ def select_config(problem: Problem) -> CutlassConfig | None:
 # ----------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def _nvcc_release(nvcc: str | None) -> str:
+    """``"13.0"`` from ``nvcc --version``; the pinned release without nvcc."""
+    if nvcc is None:
+        return PINNED_NVCC_RELEASE
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    found = re.search(r"release (\d+\.\d+)", out)
+    return found.group(1) if found else out.strip().splitlines()[-1]
+
+
 @dataclasses.dataclass(frozen=True)
 class _PortableSpec(jit.NvccLibrarySpec):
-    """An nvcc library whose cache key leaves out the (machine-specific) path
-    of the CUTLASS headers; their version is in ``extra_key`` instead, so a
-    cache built on one machine is found on another."""
+    """An nvcc library whose cache key depends on the sources (text), options,
+    defines, target, the CUTLASS version and nvcc's release (major.minor) only:
+    not on the headers' path, on whether they are installed, or on nvcc's
+    build string, so a cache built on one machine is found on another."""
 
     @functools.cached_property
     def key(self) -> str:
-        return jit.NvccLibrarySpec(self.name, self.sources, self.options, self.arch,
-                                   tuple(f"<external-{i}>" for i in range(len(self.include_dirs))),
-                                   self.defines, self.extra_key).key
+        payload = {
+            "format": 1, "kind": "nvcc-portable", "name": self.name, "arch": self.arch,
+            "files": [(f.name, hashlib.sha256(f.read_bytes()).hexdigest()) for f in self.files],
+            "options": list(self.options), "defines": [list(d) for d in self.defines],
+            "extra_key": self.extra_key, "nvcc": _nvcc_release(jit.nvcc_path()),
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def library_spec(cfg: CutlassConfig, out_dtype: torch.dtype = torch.bfloat16) -> jit.NvccLibrarySpec:

@@ -557,12 +557,13 @@ def _mm_kernel(a, b, c, ws, a_s, b_s, bias, M, N, K, split_k,
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _splitk_reduce_kernel(ws, c, bias, M, N, stride_cm, split_k, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
+    total = M.to(tl.int64) * N
+    mask = offs < total
     rows = offs // N
     cols = offs % N
     acc = tl.load(ws + offs, mask=mask, other=0.0)
-    for s in range(1, split_k):
-        acc += tl.load(ws + s * M * N + offs, mask=mask, other=0.0)
+    for s in range(1, split_k):  # fixed order: deterministic
+        acc += tl.load(ws + s * total + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(c + rows * stride_cm + cols, acc.to(c.dtype.element_ty), mask=mask)

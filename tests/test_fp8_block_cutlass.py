@@ -264,6 +264,7 @@ def test_cache_key_ignores_the_header_path(tmp_path, monkeypatch):
     if inc is None:
         pytest.skip("CUTLASS headers not installed")
     spec = C.library_spec(MMAJOR)
+    assert "-DSMM_CLUSTER_N=2" in " ".join(spec.command("/tmp/x.so"))
     link = tmp_path / "elsewhere" / "include"
     link.parent.mkdir()
     link.symlink_to(inc)
@@ -271,9 +272,19 @@ def test_cache_key_ignores_the_header_path(tmp_path, monkeypatch):
     moved = C.library_spec(MMAJOR)
     assert moved.include_dirs == (str(link),) and moved.include_dirs != spec.include_dirs
     assert moved.key == spec.key
+    monkeypatch.setenv(C.ENV_CUTLASS_INCLUDE, str(tmp_path))  # no headers there; and none installed:
+    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: None)
+    C._cutlass_include.cache_clear()
+    absent = C.library_spec(MMAJOR)
+    assert absent.include_dirs == () and C.cutlass_include_dir() is None
+    assert C.cutlass_version() == C.PINNED_CUTLASS_VERSION == C._header_version(inc)
+    assert absent.key == spec.key  # pre-built libraries are found without the headers
+    monkeypatch.setattr(jit, "nvcc_path", lambda: None)
+    assert C._nvcc_release(None) == C.PINNED_NVCC_RELEASE
+    assert C.library_spec(MMAJOR).key == spec.key  # ... and without nvcc
+    C._cutlass_include.cache_clear()
     assert C.library_spec(MMAJOR, torch.float16).key != spec.key
     assert C.library_spec(C.CONFIGS["coop128x128_c1x1"]).key != spec.key
-    assert "-DSMM_CLUSTER_N=2" in " ".join(spec.command("/tmp/x.so"))
 
 
 def test_prebuild_hook_lists_specs():

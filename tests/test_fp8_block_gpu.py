@@ -99,14 +99,16 @@ def tol(out_dtype):
 def test_backend_vs_float64(name, n, k):
     b, bs, b64 = weights(n, k)
     be = backends.get("fp8_block", name)
-    out_dtypes = [torch.bfloat16] + ([torch.float32, torch.float16] if name in ("triton", "reference") else [])
     for m in ODD_M + [4, 64, 1024]:
         if name == "reference" and m > 67:
             continue
         for col in (False, True):
             a, sa = activation(m, k, col)
             want = ref64(a, sa, b64)
-            for out_dtype in out_dtypes[: 1 if col else None]:
+            out_dtypes = [torch.bfloat16]
+            if name in ("triton", "reference") and m in (3, 66) and not col:
+                out_dtypes += [torch.float32, torch.float16]
+            for out_dtype in out_dtypes:
                 ok, why = be.can_implement(base.problem(a, b, (128, 128), out_dtype, col,
                                                         m=math.ceil(m / be.needs_m_multiple) * be.needs_m_multiple))
                 if not ok:
@@ -169,7 +171,10 @@ def test_triton_quant_bit_exact_on_device(m, dtype):
     for col in (False, True):
         for ue8m0 in (False, True):
             q, s = T.per_token_group_quant(x, 128, 1e-10, col, ue8m0)
-            qr, sr = base.reference_quant(x, 128, 1e-10, col, ue8m0)
+            q, s = q.cpu(), s.cpu()
+            # reference on the CPU: ATen's CUDA `tensor / 448.0` multiplies by
+            # fl(1 / 448) (BinaryDivTrueKernel.cu), which is not the SPEC's division
+            qr, sr = base.reference_quant(x.cpu(), 128, 1e-10, col, ue8m0)
             qn, rn = q.float().isnan(), qr.float().isnan()
             assert torch.equal(qn, rn) and torch.equal(q.view(torch.uint8)[~rn], qr.view(torch.uint8)[~rn])
             assert torch.equal(s.isnan(), sr.isnan()) and torch.equal(s[~sr.isnan()], sr[~sr.isnan()])

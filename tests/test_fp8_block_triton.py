@@ -44,6 +44,33 @@ if INNER is None:
         r = _child("codegen", [__file__], 600)
         assert r.returncode == 0 and "codegen ok" in r.stdout, (r.stdout[-6000:] + r.stderr[-3000:])
 
+    def test_cublas_scale_layouts(monkeypatch):
+        """The strides torch._scaled_mm checks (v1: ScaledBlas.cpp) and cuBLASLt's
+        padded 128x128 layout (v2), built on the CPU."""
+        from scaledmm.ops import fp8_block as base
+
+        sa = torch.rand(8, 5)  # row-major -> (1, M)
+        assert base.cublas_a_scales(sa).stride() == (1, 8) and torch.equal(base.cublas_a_scales(sa), sa)
+        wide = torch.rand(5, 12)[:, :8].t()  # column-major with stride(1) > M -> compact copy
+        assert base.cublas_a_scales(wide).stride() == (1, 8) and torch.equal(base.cublas_a_scales(wide), wide)
+        bs = torch.rand(3, 5)
+        padded = base.pad_scale_rows(bs, 4)
+        assert base.cublas_b_scales(padded).stride() == (5, 1)  # v1 wants row stride exactly K/128
+        l4 = base.cublas_b_scales_l4(padded)
+        assert l4.shape == (8, 3) and l4.stride() == (1, 8) and l4.data_ptr() == padded.data_ptr()
+        assert torch.equal(l4[:5].t(), bs) and not l4[5:].any()
+        fresh = base.cublas_b_scales_l4(bs)
+        assert fresh.stride() == (1, 8) and torch.equal(fresh[:5].t(), bs)
+        a = torch.empty(8, 640, dtype=torch.float8_e4m3fn)
+        b = torch.empty(256, 640, dtype=torch.float8_e4m3fn)
+        p = base.problem(a, b, (128, 128), torch.bfloat16, True)
+        assert base._cublas_can_implement(p)[0] == (base._scaled_mm_v2() is not None)
+        monkeypatch.setattr(base, "_scaled_mm_v2", lambda: None)
+        ok, why = base._cublas_can_implement(p)
+        assert not ok and "multiple of 4" in why
+        b2 = torch.empty(128, 640, dtype=torch.float8_e4m3fn)  # N <= 128: v1 is exact
+        assert base._cublas_can_implement(base.problem(a, b2, (128, 128), torch.bfloat16, True))[0]
+
 
 # ============================================================================
 # Offline code generation (child "codegen"): Triton's compiler, a stand-in driver
@@ -148,6 +175,9 @@ def _codegen_main() -> None:
                 want.append(("cvt e4m3 RNE", "cvt.rn.satfinite.e4m3x2.f32" in ptx))
             failures += [f"{line}: missing {what}" for what, ok in want if not ok]
         T._quant_kernel.device_caches.clear()
+        ws, out = torch.empty(4, 3, 2112), torch.empty(3, 2112, dtype=torch.bfloat16)
+        T._splitk_reduce_kernel.warmup(ws, out, out, 3, 2112, 2112, 4, HAS_BIAS=True, BLOCK=1024, grid=(1,))
+        T._splitk_reduce_kernel.device_caches.clear()
     print("\n".join(failures) if failures else "codegen ok")
 
 
@@ -160,7 +190,6 @@ if INNER == "codegen" and __name__ == "__main__":
 # ============================================================================
 
 if INNER == "interpret":
-    import numpy as np
     import triton
     import triton.language as tl
     from hypothesis import given, strategies as st

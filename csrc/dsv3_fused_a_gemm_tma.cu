@@ -1,0 +1,471 @@
+// Skinny bf16 GEMM, version 2: the weight streams through a shared-memory ring
+// filled by TMA bulk copies, so every SM keeps tens of KB of weight in flight.
+//
+//     out[m, n] = sum_k x[m, k] * w[n, k]      x: bf16 [M, K], 1 <= M <= 16
+//                                              w: bf16 [N, K] row-major, out: bf16 [M, N]
+//
+// Compiled at run time with NVRTC (scaledmm/jit.py, ops/skinny_fused_a.py);
+// needs no CUDA header.  One cubin per (N, K, config, M bucket):
+//
+//   FA_N, FA_K        problem size (N % 16 == 0, K % 32 == 0)
+//   FA_ROWS           weight rows per tile: 16, 32, 48 or 64
+//   FA_SPLIT_K        1: persistent grid, each CTA loops over tiles (gridDim.x
+//                     CTAs, tile = blockIdx.x + i * gridDim.x); 2..8: one tile
+//                     per cluster of FA_SPLIT_K CTAs that split K and add their
+//                     partial tiles through distributed shared memory
+//   FA_CHUNK          k per pipeline stage (a multiple of 128)
+//   FA_STAGES         ring depth
+//   FA_WARPS          consumer (MMA) warps; one more warp issues the copies
+//   FA_MB             M bucket: 8 (M <= 8) or 16
+//   FA_XRES           1: x's K range is copied to shared memory once and stays
+//                     there (stages hold weight only); 0: each stage carries
+//                     its own x chunk
+//   FA_SMEM_BYTES     dynamic shared memory the launcher passes (checked
+//                     against the layout below at compile time)
+//
+// Design (see benchmarks/NOTES.md, "Skinny fused-A"):
+//  * Producer warp: for each chunk of the CTA's work, wait until the ring slot
+//    is free, then each lane announces its bytes on the slot's "full" mbarrier
+//    (arrive.expect_tx) and issues cp.async.bulk copies of its weight rows
+//    (and x rows) of the chunk: one 1-D copy per row, L2 evict-first for the
+//    weight.  Under PDL the weight of the first FA_STAGES chunks is requested
+//    before griddepcontrol.wait (the weight is not written by the previous
+//    kernel), x only after it.
+//  * Consumer warps: wait on "full", read 16-byte fragments from shared memory
+//    and run mma.sync m16n8k16 (A = 16 weight rows, B = x^T, D = out^T), then
+//    arrive on the slot's "empty" mbarrier.  The k order inside a 32-wide unit
+//    is permuted identically for w and x (thread (g, t) holds k = 8t .. 8t+7
+//    of rows g and g + 8), so plain 16-byte shared loads form the fragments;
+//    rows are padded to a pitch = 64 mod 128 bytes, so the loads are free of
+//    bank conflicts.
+//  * Warps split the tile's 16-row subtiles and, beyond that, the units of
+//    each chunk (k-groups); k-group partials are added in shared memory and
+//    split-K partials through DSMEM, both in a fixed order: no workspace, no
+//    memset, no atomics, bit-reproducible, CUDA-graph safe.
+//  * griddepcontrol.launch_dependents right after setup: a PDL-launched
+//    successor may then start and stream its own weight while this grid
+//    finishes; it still waits (griddepcontrol.wait) for this grid's output.
+
+#ifndef FA_N
+#error "FA_N (output columns) must be defined"
+#endif
+#ifndef FA_K
+#error "FA_K (reduction length) must be defined"
+#endif
+#ifndef FA_ROWS
+#define FA_ROWS 32
+#endif
+#ifndef FA_SPLIT_K
+#define FA_SPLIT_K 1
+#endif
+#ifndef FA_CHUNK
+#define FA_CHUNK 256
+#endif
+#ifndef FA_STAGES
+#define FA_STAGES 4
+#endif
+#ifndef FA_WARPS
+#define FA_WARPS 4
+#endif
+#ifndef FA_MB
+#define FA_MB 16
+#endif
+#ifndef FA_XRES
+#define FA_XRES 0
+#endif
+
+namespace fat {
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct alignas(16) V4 {
+  u32 v[4];
+};
+
+constexpr int N = FA_N;
+constexpr int K = FA_K;
+constexpr int ROWS = FA_ROWS;
+constexpr int NT = ROWS / 16;  // 16-row subtiles per tile
+constexpr int SPLIT = FA_SPLIT_K;
+constexpr int CHUNK = FA_CHUNK;
+constexpr int STAGES = FA_STAGES;
+constexpr int CW = FA_WARPS;  // consumer warps
+constexpr int THREADS = (CW + 1) * 32;
+constexpr int MB = FA_MB;
+constexpr int MF = MB / 8;  // 8-row x fragments
+constexpr bool XRES = FA_XRES != 0;
+
+constexpr int TG = CW < NT ? CW : NT;  // warps of one k-group (each owns WT subtiles)
+constexpr int WT = NT / TG;            // subtiles per warp
+constexpr int KW = CW / TG;            // k-groups (split each chunk's units)
+constexpr int TILES = (N + ROWS - 1) / ROWS;
+constexpr bool FULL_ROWS = N % ROWS == 0;
+constexpr int CHUNKS = (K + CHUNK - 1) / CHUNK;
+constexpr bool FULL_CHUNKS = K % CHUNK == 0;
+constexpr int RANK_CHUNKS = (CHUNKS + SPLIT - 1) / SPLIT;  // most chunks of one split rank
+constexpr int UNITS = CHUNK / 32;                          // 32-wide k units of a full chunk
+constexpr int UPW = (UNITS + KW - 1) / KW;                 // units per warp per chunk (at most)
+constexpr bool EVEN_UNITS = FULL_CHUNKS && UNITS % KW == 0;
+
+// Shared memory layout (bytes): ring | resident x | reduction | mbarriers.
+constexpr int PITCH = CHUNK * 2 + 64;  // = 64 (mod 128): rows g, g+1 hit disjoint banks
+constexpr int XPITCH = RANK_CHUNKS * CHUNK * 2 + 64;
+constexpr int STAGE_W = ROWS * PITCH;
+constexpr int STAGE_BYTES = STAGE_W + (XRES ? 0 : MB * PITCH);
+constexpr int RING_BYTES = STAGES * STAGE_BYTES;
+constexpr int XRES_BYTES = XRES ? MB * XPITCH : 0;
+constexpr int TILE = ROWS * MB;  // fp32 partials of one tile, [mm][row]
+constexpr bool NEED_RED = KW > 1 || SPLIT > 1;
+constexpr int RED_BYTES = NEED_RED ? 2 * KW * TILE * 4 : 0;  // double-buffered across tiles
+constexpr int BAR_OFF = RING_BYTES + XRES_BYTES + RED_BYTES;
+constexpr int SMEM = BAR_OFF + (2 * STAGES + 1) * 8;
+
+static_assert(N % 16 == 0, "N must be a multiple of 16");
+static_assert(K % 32 == 0, "K must be a multiple of 32");
+static_assert(ROWS == 16 || ROWS == 32 || ROWS == 48 || ROWS == 64, "FA_ROWS must be 16, 32, 48 or 64");
+static_assert(MB == 8 || MB == 16, "FA_MB must be 8 or 16");
+static_assert(SPLIT >= 1 && SPLIT <= 8, "FA_SPLIT_K must be 1..8");
+static_assert(CHUNK % 128 == 0 && CHUNK <= 2048, "FA_CHUNK must be a multiple of 128, at most 2048");
+static_assert(STAGES >= 1 && STAGES <= 16, "FA_STAGES must be 1..16");
+static_assert(CW >= 1 && CW <= 8, "FA_WARPS must be 1..8");
+static_assert(CW % NT == 0 || NT % CW == 0, "FA_WARPS must be a multiple or a divisor of FA_ROWS / 16");
+static_assert(CHUNKS >= SPLIT, "every split rank needs at least one chunk");
+static_assert(SMEM == FA_SMEM_BYTES, "FA_SMEM_BYTES disagrees with the kernel's shared-memory layout");
+static_assert(SMEM <= 227 * 1024, "shared memory over 227 KiB");
+
+// -- PTX helpers ---------------------------------------------------------------
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
+  return a;
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  u32 done;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ u64 evict_first_policy() {
+  u64 p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+
+// 1-D bulk copy global -> this CTA's shared memory, completing on mbarrier `bar`.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// Plain C++ loads from shared memory (LDS.128): ordered after mbar_wait by its
+// "memory" clobber, otherwise free for the compiler to schedule.
+__device__ __forceinline__ V4 lds128(const unsigned char* p) { return *reinterpret_cast<const V4*>(p); }
+
+// D (16 x 8, fp32) += A (16 x 16, bf16, row) * B (16 x 8, bf16, col)
+__device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__device__ __forceinline__ void consumer_sync() {  // the consumer warps only (barrier 1)
+  asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ float load_peer(u32 local_addr, u32 rank) {
+  u32 remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_addr), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+// -- the CTA's work: tiles tile0, tile0 + step, ...; chunks [c_begin, c_end) of each
+
+struct Work {
+  int tile0, step, ntile;
+  int c_begin, cpt;  // first chunk and chunks per tile
+  int total;         // ntile * cpt: chunks in the CTA's sequence
+
+  __device__ __forceinline__ int tile(int g) const { return tile0 + (g / cpt) * step; }
+  __device__ __forceinline__ int chunk(int g) const { return c_begin + g % cpt; }
+};
+
+__device__ __forceinline__ int tile_rows(int tile) {
+  return FULL_ROWS ? ROWS : (N - tile * ROWS < ROWS ? N - tile * ROWS : ROWS);
+}
+
+__device__ __forceinline__ int chunk_len(int c) { return FULL_CHUNKS ? CHUNK : (K - c * CHUNK < CHUNK ? K - c * CHUNK : CHUNK); }
+
+}  // namespace fat
+
+#if FA_SPLIT_K > 1
+#define FA_CLUSTER __cluster_dims__(1, FA_SPLIT_K, 1)
+#else
+#define FA_CLUSTER
+#endif
+
+// grid: SPLIT_K == 1: (CTAs <= tiles, 1) persistent; else (tiles, SPLIT_K) in
+// clusters of (1, SPLIT_K, 1).  block: 32 * (FA_WARPS + 1).  Dynamic shared
+// memory: FA_SMEM_BYTES.  x_stride: elements between rows of x (a multiple of
+// 8, or anything when m == 1); x and w 16-byte aligned.
+extern "C" __global__ void FA_CLUSTER __launch_bounds__(fat::THREADS, 1)
+dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
+                      unsigned short* __restrict__ out, int m, long long x_stride) {
+  using namespace fat;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const u32 s_base = smem_addr(smem);
+  const u32 s_ring = s_base;
+  const u32 s_xres = s_base + RING_BYTES;
+  float* red = reinterpret_cast<float*>(smem + RING_BYTES + XRES_BYTES);
+  const u32 bar_full = s_base + BAR_OFF;       // full[s] at bar_full + 8 s
+  const u32 bar_empty = bar_full + 8 * STAGES;  // empty[s]
+  const u32 bar_x = bar_empty + 8 * STAGES;     // resident x
+
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int mv = m < MB ? m : MB;
+
+  Work wk;
+  const int rank = SPLIT > 1 ? (int)cluster_rank() : 0;
+  wk.tile0 = blockIdx.x;
+  wk.step = gridDim.x;
+  wk.ntile = (TILES - wk.tile0 + wk.step - 1) / wk.step;
+  wk.c_begin = rank * CHUNKS / SPLIT;
+  wk.cpt = (rank + 1) * CHUNKS / SPLIT - wk.c_begin;
+  wk.total = wk.ntile * wk.cpt;
+  const int x_k0 = wk.c_begin * CHUNK;  // the rank's K range (resident x)
+  const int x_len = ((wk.c_begin + wk.cpt) * CHUNK < K ? (wk.c_begin + wk.cpt) * CHUNK : K) - x_k0;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bar_full + 8 * s, 32);  // every producer lane arrives once per chunk
+      mbar_init(bar_empty + 8 * s, CW);  // lane 0 of every consumer warp
+    }
+    mbar_init(bar_x, 32);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  launch_dependents();
+
+  if (warp == CW) {
+    // ---------------------------------------------------------------- producer
+    const u64 policy = evict_first_policy();
+    auto issue_w = [&](int g, u32 full) {
+      const int tile = wk.tile(g), c = wk.chunk(g);
+      const int rows = tile_rows(tile), len = chunk_len(c);
+      const u32 dst = s_ring + (u32)(g % STAGES) * STAGE_BYTES;
+      const unsigned short* src = w + (u64)tile * ROWS * K + (u64)c * CHUNK;
+      for (int r = lane; r < rows; r += 32) bulk_copy(dst + r * PITCH, src + (u64)r * K, (u32)len * 2, full, policy);
+    };
+    auto issue_x = [&](int g, u32 full) {
+      const int c = wk.chunk(g), len = chunk_len(c);
+      const u32 dst = s_ring + (u32)(g % STAGES) * STAGE_BYTES + STAGE_W;
+      if (lane < mv) bulk_copy(dst + lane * PITCH, x + (long long)lane * x_stride + (long long)c * CHUNK, (u32)len * 2, full);
+    };
+    // bytes this lane copies into the slot of chunk g (its weight rows and x row)
+    auto lane_bytes = [&](int g) -> u32 {
+      const int rows = tile_rows(wk.tile(g)), len = chunk_len(wk.chunk(g));
+      const int nw = rows > lane ? (rows - lane + 31) / 32 : 0;
+      const int nx = (!XRES && lane < mv) ? 1 : 0;
+      return (u32)((nw + nx) * len * 2);
+    };
+
+    const int pro = wk.total < STAGES ? wk.total : STAGES;
+    for (int g = 0; g < pro; ++g) {  // weight first: it does not depend on the previous grid
+      const u32 full = bar_full + 8 * g;
+      mbar_expect_tx(full, lane_bytes(g));
+      issue_w(g, full);
+    }
+    grid_dependency_wait();
+    if (XRES) {
+      mbar_expect_tx(bar_x, lane < mv ? (u32)x_len * 2 : 0u);
+      if (lane < mv) bulk_copy(s_xres + lane * XPITCH, x + (long long)lane * x_stride + x_k0, (u32)x_len * 2, bar_x);
+    } else {
+      for (int g = 0; g < pro; ++g) issue_x(g, bar_full + 8 * g);
+    }
+    for (int g = pro; g < wk.total; ++g) {
+      const int s = g % STAGES;
+      mbar_wait(bar_empty + 8 * s, (u32)((g / STAGES) - 1) & 1u);
+      const u32 full = bar_full + 8 * s;
+      mbar_expect_tx(full, lane_bytes(g));
+      issue_w(g, full);
+      if (!XRES) issue_x(g, full);
+    }
+    __syncwarp();
+  } else {
+    // ---------------------------------------------------------------- consumers
+    grid_dependency_wait();  // before any write of out (its memory may be the previous grid's)
+    const int g8 = lane >> 2, t4 = lane & 3;
+    const int tg = warp % TG, kg = warp / TG;
+    const int frag = g8 * PITCH + t4 * 16;  // this thread's 16 bytes of row g8, unit 0
+    const int xfrag = g8 * (XRES ? XPITCH : PITCH) + t4 * 16;
+    if (XRES) mbar_wait(bar_x, 0);
+
+    int g = 0;
+    for (int i = 0; i < wk.ntile; ++i) {
+      const int tile = wk.tile0 + i * wk.step;
+      const int rows = tile_rows(tile);
+      float acc[WT][MF][4];
+#pragma unroll
+      for (int a = 0; a < WT; ++a)
+#pragma unroll
+        for (int f = 0; f < MF; ++f)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[a][f][e] = 0.f;
+
+      for (int j = 0; j < wk.cpt; ++j, ++g) {
+        const int s = g % STAGES;
+        mbar_wait(bar_full + 8 * s, (u32)(g / STAGES) & 1u);
+        const int units = EVEN_UNITS ? UNITS : chunk_len(wk.c_begin + j) / 32;
+        const unsigned char* sw = smem + s * STAGE_BYTES + frag;
+        const unsigned char* sx = (XRES ? smem + RING_BYTES + j * CHUNK * 2 : smem + s * STAGE_BYTES + STAGE_W) + xfrag;
+#pragma unroll
+        for (int q = 0; q < UPW; ++q) {
+          const int u = kg + q * KW;
+          if (!EVEN_UNITS && u >= units) break;
+          V4 xf[MF];
+#pragma unroll
+          for (int f = 0; f < MF; ++f) xf[f] = lds128(sx + f * 8 * (XRES ? XPITCH : PITCH) + u * 64);
+#pragma unroll
+          for (int a = 0; a < WT; ++a) {
+            const int st = tg * WT + a;  // subtile
+            if (!FULL_ROWS && st * 16 >= rows) continue;
+            const V4 lo = lds128(sw + st * 16 * PITCH + u * 64);
+            const V4 hi = lds128(sw + (st * 16 + 8) * PITCH + u * 64);
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+              for (int f = 0; f < MF; ++f)
+                mma_bf16(acc[a][f], lo.v[2 * h], hi.v[2 * h], lo.v[2 * h + 1], hi.v[2 * h + 1], xf[f].v[2 * h],
+                         xf[f].v[2 * h + 1]);
+          }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+      }
+
+      // acc[a][f] = D of weight rows st*16 + g8 (+8), x rows f*8 + 2*t4 (+1).
+      const int n_base = tile * ROWS;
+      if (!NEED_RED) {
+#pragma unroll
+        for (int a = 0; a < WT; ++a) {
+          const int r = (tg * WT + a) * 16 + g8;
+          if (!FULL_ROWS && r >= rows) continue;
+#pragma unroll
+          for (int f = 0; f < MF; ++f) {
+            const int mm = f * 8 + 2 * t4;
+            if (mm < mv) {
+              out[(long long)mm * N + n_base + r] = to_bf16(acc[a][f][0]);
+              out[(long long)mm * N + n_base + r + 8] = to_bf16(acc[a][f][2]);
+            }
+            if (mm + 1 < mv) {
+              out[(long long)(mm + 1) * N + n_base + r] = to_bf16(acc[a][f][1]);
+              out[(long long)(mm + 1) * N + n_base + r + 8] = to_bf16(acc[a][f][3]);
+            }
+          }
+        }
+      } else {
+        float* buf = red + (i & 1) * KW * TILE;  // [kg][mm * ROWS + row]
+#pragma unroll
+        for (int a = 0; a < WT; ++a) {
+          const int r = (tg * WT + a) * 16 + g8;
+#pragma unroll
+          for (int f = 0; f < MF; ++f) {
+            const int mm = f * 8 + 2 * t4;
+            float* p = buf + kg * TILE;
+            p[mm * ROWS + r] = acc[a][f][0];
+            p[(mm + 1) * ROWS + r] = acc[a][f][1];
+            p[mm * ROWS + r + 8] = acc[a][f][2];
+            p[(mm + 1) * ROWS + r + 8] = acc[a][f][3];
+          }
+        }
+        consumer_sync();
+        // Sum the k-groups in a fixed order (each element read and written by one thread).
+        for (int e = threadIdx.x; e < TILE; e += CW * 32) {
+          float v = buf[e];
+#pragma unroll
+          for (int q = 1; q < KW; ++q) v += buf[q * TILE + e];
+          if (SPLIT == 1) {
+            const int mm = e / ROWS, r = e % ROWS;
+            if (mm < mv && (FULL_ROWS || r < rows)) out[(long long)mm * N + n_base + r] = to_bf16(v);
+          } else if (KW > 1) {
+            buf[e] = v;
+          }
+        }
+      }
+    }
+  }
+
+  if (SPLIT > 1) {
+    // One tile per cluster: add the ranks' partial tiles (red[0..TILE)) in rank
+    // order through DSMEM; each rank writes 1/SPLIT of the tile.  The second
+    // barrier keeps every CTA's shared memory alive until its peers have read it.
+    __syncwarp();
+    cluster_sync();
+    const int tile = wk.tile0;
+    const int rows = tile_rows(tile);
+    constexpr int PER = (TILE + SPLIT - 1) / SPLIT;
+    const u32 s_red = smem_addr(red);
+    for (int e = rank * PER + threadIdx.x; e < (rank + 1) * PER && e < TILE; e += THREADS) {
+      float v = 0.f;
+#pragma unroll
+      for (int p = 0; p < SPLIT; ++p) v += load_peer(s_red + 4 * e, (u32)p);
+      const int mm = e / ROWS, r = e % ROWS;
+      if (mm < mv && (FULL_ROWS || r < rows)) out[(long long)mm * N + tile * ROWS + r] = to_bf16(v);
+    }
+    cluster_sync();
+  }
+}
