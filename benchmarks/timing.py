@@ -70,7 +70,7 @@ class TimingConfig:
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20) or (60 << 20)
         return cls(budget_s=0.015 if quick else 0.1, warmup_s=0.0 if quick else 0.03,
                    min_reps=5 if quick else 10, max_reps=50 if quick else 300,
-                   graph_below_us=100.0, rotate_bytes=2 * l2, max_copies=128)
+                   graph_below_us=20000.0, rotate_bytes=2 * l2, max_copies=128)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 M_VALUES = (1, 3, 4, 17, 64, 1000, 0)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -100,10 +101,58 @@ def dynamo_graph(fn: Callable, args: tuple, dynamic: bool) -> torch.fx.GraphModu
 
 def inductor_code(fn: Callable, args: tuple, **options) -> str:
     """The Python wrapper code Inductor generates for ``fn(*args)``."""
+    return inductor_compile(fn, args, **options)[1]
+
+
+def inductor_compile(fn: Callable, args: tuple, **options) -> tuple[Callable, str]:
+    """``fn`` compiled by Inductor (fullgraph, dynamic) and run on ``args``
+    once: the compiled function (call it again inside ``one_graph_for_all_m()``
+    to reuse the graph for any M) and the wrapper code it generated."""
     from torch._inductor.utils import fresh_cache, run_and_get_code
 
     torch._dynamo.reset()
     cfn = torch.compile(fn, fullgraph=True, dynamic=True, options=options or None)
     with one_graph_for_all_m(), fresh_cache():  # a cache hit would skip the passes
         _, code = run_and_get_code(cfn, *args)
-    return "\n".join(code)
+    return cfn, "\n".join(code)
+
+
+def op_name(target) -> str:
+    """``scaledmm.nvfp4_mm`` for ``torch.ops.scaledmm.nvfp4_mm.default``."""
+    return str(target).removesuffix(".default")
+
+
+class RecordingPass(CustomGraphPass):
+    """A post-grad pass that runs ``inner`` (e.g. ``scaledmm.compile.passes()``)
+    and then records the resulting graph: ``nodes`` holds, for every
+    call_function node, ``{"target", "args", "users"}`` (argument nodes and
+    users by target name, ``"placeholder"`` / ``"output"`` for those)."""
+
+    def __init__(self, inner: CustomGraphPass | None = None):
+        self.inner = inner
+        self.nodes: list[dict] = []
+
+    @staticmethod
+    def _describe(a):
+        if isinstance(a, torch.fx.Node):
+            return op_name(a.target) if a.op == "call_function" else a.op
+        if isinstance(a, (list, tuple)):
+            return type(a)(RecordingPass._describe(x) for x in a)
+        return a
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.inner is not None:
+            self.inner(graph)
+        self.nodes = [{"target": op_name(n.target), "args": [self._describe(a) for a in n.args],
+                       "users": [self._describe(u) for u in n.users]}
+                      for n in graph.nodes if n.op == "call_function"]
+
+    def find(self, target: str) -> list[dict]:
+        return [n for n in self.nodes if n["target"] == target]
+
+    @property
+    def stats(self) -> dict:
+        return getattr(self.inner, "stats", {})
+
+    def uuid(self):
+        return self.inner.uuid() if self.inner is not None else "scaledmm-compile-tests-recording"

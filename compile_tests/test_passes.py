@@ -6,7 +6,7 @@ import torch
 
 import scaledmm
 import scaledmm.compile as sc
-from harness import inductor_code, one_graph_for_all_m
+from harness import RecordingPass, inductor_code, inductor_compile, one_graph_for_all_m
 from scaledmm.ops import fp8_block as fb
 
 
@@ -118,3 +118,129 @@ def test_skinny_cond_lowered_to_dynamic_op():
 
     for m in (0, 3, 20):
         opcheck(torch.ops.scaledmm.dynamic_skinny_linear.default, (torch.randn(m, 256, dtype=torch.bfloat16), w))
+
+
+# ----------------------------------------------------------------------------
+# pass (c): nvfp4_mm(...) * alpha (+ bias) folded into nvfp4_mm's arguments
+# ----------------------------------------------------------------------------
+
+NV_N, NV_K = 200, 640
+
+
+class NvFp4Epilogue(torch.nn.Module):
+    """quantize -> nvfp4_mm -> an epilogue chosen by ``kind``."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        w = torch.randn(NV_N, NV_K)
+        gs_w = (448.0 * 6.0 / w.abs().amax()).reshape(1)
+        qw, sw = torch.ops.scaledmm.nvfp4_quant(w, gs_w, True)
+        gs = torch.tensor([448.0 * 6.0 / 4.0])
+        self.register_buffer("qw", qw)
+        self.register_buffer("sw", sw)
+        self.register_buffer("gs", gs)
+        self.register_buffer("a0", 1.0 / (gs * gs_w))
+        self.register_buffer("scale", torch.tensor(0.37))  # 0-D: bf16 * scale stays bf16
+        self.register_buffer("scale1", torch.tensor([1.7]))  # [1]: bf16 * scale1 is fp32
+        self.register_buffer("bias", torch.randn(NV_N, dtype=torch.bfloat16))
+        self.register_buffer("bias32", torch.randn(NV_N))
+        self.register_buffer("b0", torch.randn(NV_N, dtype=torch.bfloat16))
+        self.register_buffer("col", torch.rand(NV_N) + 0.5)
+
+    def mm(self, x, out_dtype=torch.bfloat16, bias=None):
+        q, s = torch.ops.scaledmm.nvfp4_quant(x, self.gs, True)
+        return torch.ops.scaledmm.nvfp4_mm(q, self.qw, s, self.sw, self.a0, out_dtype, bias)
+
+    def forward(self, x):
+        k = self.kind
+        if k == "mul":
+            return self.mm(x) * self.scale
+        if k == "scale_mul_promoting":
+            return self.scale1 * self.mm(x)
+        if k == "mul_mul_bias":
+            return self.mm(x) * self.scale * self.scale1 + self.bias32
+        if k == "f32_mul_bias_cast":
+            return (self.mm(x, torch.float32) * self.scale + self.bias).to(torch.bfloat16)
+        if k == "bias":
+            return self.bias + self.mm(x)
+        if k == "mul_vector":  # a per-column scale is not an alpha
+            return self.mm(x) * self.col
+        if k == "bias_then_mul":  # the bias folds, the mul (it would scale the bias) stays
+            return (self.mm(x) + self.bias) * self.scale
+        if k == "has_bias_add_mul":  # the mm has a bias already: nothing folds
+            return (self.mm(x, bias=self.b0) + self.bias) * self.scale
+        raise AssertionError(k)
+
+
+# kind -> (folds, alpha folded, bias folded, output dtype)
+EPILOGUES = {
+    "mul": (1, True, False, torch.bfloat16),
+    "scale_mul_promoting": (1, True, False, torch.float32),
+    "mul_mul_bias": (1, True, True, torch.float32),
+    "f32_mul_bias_cast": (1, True, True, torch.bfloat16),
+    "bias": (1, False, True, torch.bfloat16),
+    "mul_vector": (0, False, False, torch.float32),
+    "bias_then_mul": (1, False, True, torch.bfloat16),
+    "has_bias_add_mul": (0, False, False, torch.bfloat16),
+}
+
+
+def _exact_epilogue(model, x):
+    """The float64 value of ``model(x)`` from the GEMM's float32 result (no
+    rounding after it), and the magnitude each rounding is relative to
+    (|terms| summed)."""
+    y = model.mm(x, torch.float32).double()
+    s, s1 = float(model.scale), float(model.scale1)
+    bias, bias32, b0 = model.bias.double(), model.bias32.double(), model.b0.double()
+    terms = {
+        "mul": ([y * s], 1.0),
+        "scale_mul_promoting": ([y * s1], 1.0),
+        "mul_mul_bias": ([y * s * s1, bias32], 1.0),
+        "f32_mul_bias_cast": ([y * s, bias], 1.0),
+        "bias": ([y, bias], 1.0),
+        "mul_vector": ([y * model.col.double()], 1.0),
+        "bias_then_mul": ([y, bias], s),
+        "has_bias_add_mul": ([y, b0, bias], s),
+    }[model.kind]
+    parts, outer = terms
+    exact = sum(parts) * outer
+    mag = sum(p.abs() for p in parts) * abs(outer)
+    return exact, mag
+
+
+@pytest.mark.parametrize("kind", list(EPILOGUES))
+def test_nvfp4_epilogue_folding(kind):
+    folds, alpha_folded, bias_folded, out_dtype = EPILOGUES[kind]
+    model = NvFp4Epilogue(kind)
+    rec = RecordingPass(sc.passes())
+    cm, code = inductor_compile(model, (torch.randn(3, NV_K, dtype=torch.bfloat16),),
+                                post_grad_custom_post_pass=rec)
+    assert rec.stats["nvfp4_epilogue"] == folds
+    (mm,) = rec.find("scaledmm.nvfp4_mm")
+    calls = [line for line in code.splitlines() if "torch.ops.scaledmm.nvfp4_mm.default(" in line]
+    assert len(calls) == 1
+    # the rewrite as Inductor emits it: alpha becomes a product, bias an argument
+    assert (mm["args"][4] == "aten.mul.Tensor") == alpha_folded, mm
+    has_bias = len(mm["args"]) > 6 and mm["args"][6] is not None
+    assert has_bias == (bias_folded or kind == "has_bias_add_mul"), mm
+    assert calls[0].rstrip().endswith("None)") == (not has_bias), calls[0]
+    if folds and kind not in ("bias_then_mul",):
+        assert mm["users"] == ["output"], mm  # nothing left after the GEMM
+        assert mm["args"][5] == out_dtype and str(out_dtype) in calls[0], calls[0]
+    else:
+        assert mm["users"] != ["output"], mm  # the epilogue left alone, fully or in part
+    with one_graph_for_all_m():
+        for m in (3, 1, 17, 64, 0):
+            x = torch.randn(m, NV_K, dtype=torch.bfloat16)
+            got, want = cm(x), model(x)
+            assert got.shape == want.shape == (m, NV_N) and got.dtype == want.dtype == out_dtype
+            exact, mag = _exact_epilogue(model, x)
+            # eager rounds after the GEMM and after each epilogue op (<= 3
+            # roundings, each <= 2^-8 relative in bf16); the compiled chain at most as often
+            for out in (got, want):
+                assert ((out.double() - exact).abs() <= 3 * 2.0 ** -8 * mag + 1e-30).all()
+            if mm["users"] == ["output"]:
+                # fully folded: one rounding of the float32 epilogue, to out_dtype
+                u = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -24
+                assert ((got.double() - exact).abs() <= u * exact.abs() + 2.0 ** -20 * mag).all()

@@ -13,7 +13,7 @@
 //                     CTAs, tile = blockIdx.x + i * gridDim.x); 2..8: one tile
 //                     per cluster of FA_SPLIT_K CTAs that split K and add their
 //                     partial tiles through distributed shared memory
-//   FA_CHUNK          k per pipeline stage (a multiple of 128)
+//   FA_CHUNK          k per pipeline stage (a multiple of 64)
 //   FA_STAGES         ring depth
 //   FA_WARPS          consumer (MMA) warps; one more warp issues the copies
 //   FA_MB             M bucket: 8 (M <= 8) or 16
@@ -24,11 +24,11 @@
 //                     against the layout below at compile time)
 //
 // Design (see benchmarks/NOTES.md, "Skinny fused-A"):
-//  * Producer warp: for each chunk of the CTA's work, wait until the ring slot
-//    is free, then each lane announces its bytes on the slot's "full" mbarrier
-//    (arrive.expect_tx) and issues cp.async.bulk copies of its weight rows
-//    (and x rows) of the chunk: one 1-D copy per row, L2 evict-first for the
-//    weight.  Under PDL the weight of the first FA_STAGES chunks is requested
+//  * Producer (one thread of the last warp): for each chunk of the CTA's
+//    work, wait until the ring slot is free, announce the chunk's bytes on the
+//    slot's "full" mbarrier (arrive.expect_tx) and issue cp.async.bulk copies
+//    of its weight rows (and x rows): one 1-D copy per row, L2 evict-first
+//    for the weight.  Under PDL the weight of the first FA_STAGES chunks is requested
 //    before griddepcontrol.wait (the weight is not written by the previous
 //    kernel), x only after it.
 //  * Consumer warps: wait on "full", read 16-byte fragments from shared memory
@@ -110,7 +110,7 @@ constexpr int UPW = (UNITS + KW - 1) / KW;                 // units per warp per
 constexpr bool EVEN_UNITS = FULL_CHUNKS && UNITS % KW == 0;
 
 // Shared memory layout (bytes): ring | resident x | reduction | mbarriers.
-constexpr int PITCH = CHUNK * 2 + 64;  // = 64 (mod 128): rows g, g+1 hit disjoint banks
+constexpr int PITCH = CHUNK * 2 + 64;  // = 64 (mod 128) bytes: rows g, g+1 hit disjoint banks
 constexpr int XPITCH = RANK_CHUNKS * CHUNK * 2 + 64;
 constexpr int STAGE_W = ROWS * PITCH;
 constexpr int STAGE_BYTES = STAGE_W + (XRES ? 0 : MB * PITCH);
@@ -127,7 +127,7 @@ static_assert(K % 32 == 0, "K must be a multiple of 32");
 static_assert(ROWS == 16 || ROWS == 32 || ROWS == 48 || ROWS == 64, "FA_ROWS must be 16, 32, 48 or 64");
 static_assert(MB == 8 || MB == 16, "FA_MB must be 8 or 16");
 static_assert(SPLIT >= 1 && SPLIT <= 8, "FA_SPLIT_K must be 1..8");
-static_assert(CHUNK % 128 == 0 && CHUNK <= 2048, "FA_CHUNK must be a multiple of 128, at most 2048");
+static_assert(CHUNK % 64 == 0 && CHUNK <= 2048, "FA_CHUNK must be a multiple of 64, at most 2048");
 static_assert(STAGES >= 1 && STAGES <= 16, "FA_STAGES must be 1..16");
 static_assert(CW >= 1 && CW <= 8, "FA_WARPS must be 1..8");
 static_assert(CW % NT == 0 || NT % CW == 0, "FA_WARPS must be a multiple or a divisor of FA_ROWS / 16");
@@ -220,8 +220,12 @@ __device__ __forceinline__ u32 cluster_rank() {
   return r;
 }
 
-__device__ __forceinline__ void cluster_sync() {
+__device__ __forceinline__ void cluster_sync() {  // publishes this CTA's shared-memory writes
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_sync_relaxed() {  // orders nothing: "everyone got here"
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }
 
 __device__ __forceinline__ float load_peer(u32 local_addr, u32 rank) {
@@ -291,10 +295,10 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bar_full + 8 * s, 32);  // every producer lane arrives once per chunk
+      mbar_init(bar_full + 8 * s, 1);  // the producer thread's arrive.expect_tx
       mbar_init(bar_empty + 8 * s, CW);  // lane 0 of every consumer warp
     }
-    mbar_init(bar_x, 32);
+    mbar_init(bar_x, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -302,47 +306,48 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
 
   if (warp == CW) {
     // ---------------------------------------------------------------- producer
-    const u64 policy = evict_first_policy();
-    auto issue_w = [&](int g, u32 full) {
-      const int tile = wk.tile(g), c = wk.chunk(g);
-      const int rows = tile_rows(tile), len = chunk_len(c);
-      const u32 dst = s_ring + (u32)(g % STAGES) * STAGE_BYTES;
-      const unsigned short* src = w + (u64)tile * ROWS * K + (u64)c * CHUNK;
-      for (int r = lane; r < rows; r += 32) bulk_copy(dst + r * PITCH, src + (u64)r * K, (u32)len * 2, full, policy);
-    };
-    auto issue_x = [&](int g, u32 full) {
-      const int c = wk.chunk(g), len = chunk_len(c);
-      const u32 dst = s_ring + (u32)(g % STAGES) * STAGE_BYTES + STAGE_W;
-      if (lane < mv) bulk_copy(dst + lane * PITCH, x + (long long)lane * x_stride + (long long)c * CHUNK, (u32)len * 2, full);
-    };
-    // bytes this lane copies into the slot of chunk g (its weight rows and x row)
-    auto lane_bytes = [&](int g) -> u32 {
-      const int rows = tile_rows(wk.tile(g)), len = chunk_len(wk.chunk(g));
-      const int nw = rows > lane ? (rows - lane + 31) / 32 : 0;
-      const int nx = (!XRES && lane < mv) ? 1 : 0;
-      return (u32)((nw + nx) * len * 2);
-    };
+    // One thread issues every copy: its loop counters are warp-uniform, so the
+    // addresses stay in uniform registers and each copy is a few instructions.
+    if (lane == 0) {
+      const u64 policy = evict_first_policy();
+      auto issue_w = [&](int g, u32 full) {
+        const int tile = wk.tile(g), c = wk.chunk(g);
+        const int rows = tile_rows(tile);
+        const u32 bytes = (u32)chunk_len(c) * 2;
+        const u32 dst = s_ring + (u32)(g % STAGES) * STAGE_BYTES;
+        const unsigned short* src = w + (u64)tile * ROWS * K + (u64)c * CHUNK;
+        for (int r = 0; r < rows; ++r) bulk_copy(dst + r * PITCH, src + (u64)r * K, bytes, full, policy);
+      };
+      auto issue_x = [&](int g, u32 full) {
+        const int c = wk.chunk(g);
+        const u32 bytes = (u32)chunk_len(c) * 2;
+        const u32 dst = s_ring + (u32)(g % STAGES) * STAGE_BYTES + STAGE_W;
+        for (int r = 0; r < mv; ++r) bulk_copy(dst + r * PITCH, x + r * x_stride + (long long)c * CHUNK, bytes, full);
+      };
+      auto expect = [&](int g, u32 full) {  // weight rows (+ x rows) of chunk g
+        const int copies = tile_rows(wk.tile(g)) + (XRES ? 0 : mv);
+        mbar_expect_tx(full, (u32)(copies * chunk_len(wk.chunk(g)) * 2));
+      };
 
-    const int pro = wk.total < STAGES ? wk.total : STAGES;
-    for (int g = 0; g < pro; ++g) {  // weight first: it does not depend on the previous grid
-      const u32 full = bar_full + 8 * g;
-      mbar_expect_tx(full, lane_bytes(g));
-      issue_w(g, full);
-    }
-    grid_dependency_wait();
-    if (XRES) {
-      mbar_expect_tx(bar_x, lane < mv ? (u32)x_len * 2 : 0u);
-      if (lane < mv) bulk_copy(s_xres + lane * XPITCH, x + (long long)lane * x_stride + x_k0, (u32)x_len * 2, bar_x);
-    } else {
-      for (int g = 0; g < pro; ++g) issue_x(g, bar_full + 8 * g);
-    }
-    for (int g = pro; g < wk.total; ++g) {
-      const int s = g % STAGES;
-      mbar_wait(bar_empty + 8 * s, (u32)((g / STAGES) - 1) & 1u);
-      const u32 full = bar_full + 8 * s;
-      mbar_expect_tx(full, lane_bytes(g));
-      issue_w(g, full);
-      if (!XRES) issue_x(g, full);
+      const int pro = wk.total < STAGES ? wk.total : STAGES;
+      for (int g = 0; g < pro; ++g) {  // weight first: the previous grid does not write it
+        expect(g, bar_full + 8 * g);
+        issue_w(g, bar_full + 8 * g);
+      }
+      grid_dependency_wait();
+      if (XRES) {
+        mbar_expect_tx(bar_x, (u32)(mv * x_len * 2));
+        for (int r = 0; r < mv; ++r) bulk_copy(s_xres + r * XPITCH, x + r * x_stride + x_k0, (u32)x_len * 2, bar_x);
+      } else {
+        for (int g = 0; g < pro; ++g) issue_x(g, bar_full + 8 * g);
+      }
+      for (int g = pro; g < wk.total; ++g) {
+        const int s = g % STAGES;
+        mbar_wait(bar_empty + 8 * s, (u32)((g / STAGES) - 1) & 1u);
+        expect(g, bar_full + 8 * s);
+        issue_w(g, bar_full + 8 * s);
+        if (!XRES) issue_x(g, bar_full + 8 * s);
+      }
     }
     __syncwarp();
   } else {
@@ -466,6 +471,6 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
       const int mm = e / ROWS, r = e % ROWS;
       if (mm < mv && (FULL_ROWS || r < rows)) out[(long long)mm * N + tile * ROWS + r] = to_bf16(v);
     }
-    cluster_sync();
+    cluster_sync_relaxed();  // the peer loads above have returned their values (they were used)
   }
 }

@@ -1,13 +1,22 @@
-"""Backend ``fused_a`` of the ``skinny`` family: our CUDA kernel
-``csrc/dsv3_fused_a_gemm.cu`` for ``dsv3_fused_a_gemm``, compiled at run time
-with NVRTC for the (N, K, tile config, M bucket) it meets, cached on disk
-(``scaledmm.jit``), launched on torch's current stream, optionally with
-programmatic dependent launch.
+"""Backend ``fused_a`` of the ``skinny`` family: our CUDA kernels for
+``dsv3_fused_a_gemm``, compiled at run time with NVRTC for the (N, K, config,
+M bucket) they meet, cached on disk (``scaledmm.jit``), launched on torch's
+current stream, optionally with programmatic dependent launch (PDL).
 
-Read top to bottom: capability checks, the config space (one frozen dataclass,
-one validity predicate shared by dispatch, the tuning table, the benchmark and
-the tests), the H200 tuning table, the launcher, backend registration, the
-pre-build hook (``python -m scaledmm.jit build --skinny 2112:7168``).
+Two kernels, one config class each:
+
+* ``csrc/dsv3_fused_a_gemm_tma.cu`` (:class:`TmaConfig`, the default): a
+  producer warp streams the weight (and x) through a shared-memory ring with
+  TMA bulk copies; consumer warps run ``mma.sync`` from shared memory.
+* ``csrc/dsv3_fused_a_gemm.cu`` (:class:`RegConfig`, version 1): every warp
+  loads its fragments from global memory straight into registers.  Kept as
+  the measured baseline and a fallback.
+
+Read top to bottom: capability checks, the config space (two frozen
+dataclasses, one validity predicate :func:`config_valid` shared by dispatch,
+the tuning tables, the benchmark and the tests), the H200 tuning tables, the
+launcher, backend registration, the pre-build hook
+(``python -m scaledmm.jit build --skinny 2112:7168``).
 
 Examples
 --------
@@ -23,6 +32,7 @@ import ctypes
 import dataclasses
 import functools
 from pathlib import Path
+from typing import Union
 
 import torch
 
@@ -31,21 +41,21 @@ from scaledmm.backends import Backend, Problem
 from scaledmm.ops import skinny
 
 NAME = "fused_a"
-KERNEL = "dsv3_fused_a_gemm"
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "dsv3_fused_a_gemm.cu"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
 ARCH = "sm_90a"
 M_BUCKETS = (8, 16)
+NUM_SMS_H200 = 132
 
 # ----------------------------------------------------------------------------
 # Capability checks
 # ----------------------------------------------------------------------------
 
 
-def _source() -> Path:
-    """The kernel source, in the repo (editable install) or the installed package."""
-    if SOURCE.is_file():
-        return SOURCE
-    return jit._package_csrc() / "dsv3_fused_a_gemm.cu"
+def _source(file: str) -> Path:
+    """A kernel source, in the repo (editable install) or the installed package."""
+    if (CSRC / file).is_file():
+        return CSRC / file
+    return jit._package_csrc() / file
 
 
 def is_supported(device: torch.device) -> tuple[bool, str]:
@@ -61,7 +71,7 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
         jit._driver()
     except ImportError as e:
         return False, f"cuda.bindings not importable: {e}"
-    return True, f"NVRTC-compiled mma.sync kernel ({why})"
+    return True, f"NVRTC-compiled TMA + mma.sync kernel ({why})"
 
 
 def can_implement(p: Problem) -> tuple[bool, str]:
@@ -82,46 +92,130 @@ def can_implement(p: Problem) -> tuple[bool, str]:
 # Config space
 # ----------------------------------------------------------------------------
 
+SMEM_PER_SM = 228 * 1024  # H100 / H200 shared memory per SM
+SMEM_PER_CTA = 227 * 1024  # the most one CTA may ask for
+SMEM_RESERVED = 1024  # per resident CTA
+SMEM_TWO_PER_SM = SMEM_PER_SM // 2 - SMEM_RESERVED  # 115712: two CTAs fit on one SM
 REGS_PER_SM = 65536
 MAX_REGS = 255
-SMEM_STATIC = 48 * 1024
+SMEM_STATIC_V1 = 48 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedAConfig:
-    """One compile-time tile configuration of the kernel.
+class TmaConfig:
+    """Compile-time configuration of the TMA-ring kernel (``dsv3_fused_a_gemm_tma``).
 
     Parameters
     ----------
     rows : int
-        Weight rows per CTA (16, 32, 64).
-    warps : int
-        Warps per CTA; they split the CTA's K range.
+        Weight rows per tile (16, 32, 48, 64).
     split_k : int
-        CTAs of a cluster that split K (1, 2, 4, 8); reduced through DSMEM.
-    unroll : int
-        32-wide K units each warp loads per step (two steps in flight).
-    prefetch : bool
-        TMA L2 prefetch of the CTA's weight slice at kernel start.
+        1: a persistent grid of ``min(tiles, SMs * ctas_per_sm)`` CTAs loops
+        over the tiles; 2..8: one tile per thread-block cluster of ``split_k``
+        CTAs that split K (partials added through DSMEM).
+    chunk : int
+        K per pipeline stage (multiple of 64, at most 2048).
+    stages : int
+        Depth of the shared-memory ring.
+    warps : int
+        Consumer (MMA) warps; a multiple or a divisor of ``rows // 16``.  One
+        more warp issues the copies.
+    x_resident : bool
+        Copy the CTA's x range into shared memory once (stages carry only
+        weight) instead of one x chunk per stage.
+    ctas_per_sm : int
+        Persistent grid size per SM (``split_k == 1`` only; 1 or 2).
     """
+
+    rows: int = 32
+    split_k: int = 2
+    chunk: int = 256
+    stages: int = 4
+    warps: int = 4
+    x_resident: bool = False
+    ctas_per_sm: int = 1
+
+    kernel = "dsv3_fused_a_gemm_tma"
+    source = "dsv3_fused_a_gemm_tma.cu"
+
+    def layout(self, n: int, k: int, m_bucket: int) -> dict[str, int]:
+        """The kernel's shared-memory layout in bytes (mirrors the ``constexpr``s
+        of the .cu file, which checks the total against ``FA_SMEM_BYTES``)."""
+        nt = self.rows // 16
+        tg = min(self.warps, nt)
+        kw = self.warps // tg
+        chunks = -(-k // self.chunk)
+        rank_chunks = -(-chunks // self.split_k)
+        pitch = self.chunk * 2 + 64
+        xpitch = rank_chunks * self.chunk * 2 + 64
+        stage_w = self.rows * pitch
+        stage = stage_w + (0 if self.x_resident else m_bucket * pitch)
+        xres = m_bucket * xpitch if self.x_resident else 0
+        red = 2 * kw * self.rows * m_bucket * 4 if (kw > 1 or self.split_k > 1) else 0
+        ring = self.stages * stage
+        return {"pitch": pitch, "stage_w": stage_w, "stage": stage, "ring": ring, "xres": xres, "red": red,
+                "kgroups": kw, "chunks": chunks, "smem": ring + xres + red + (2 * self.stages + 1) * 8}
+
+    def smem_bytes(self, n: int, k: int, m_bucket: int) -> int:
+        return self.layout(n, k, m_bucket)["smem"]
+
+    def weight_in_flight(self, n: int, k: int, m_bucket: int) -> int:
+        """Weight bytes one CTA can have requested and not yet consumed."""
+        return self.stages * self.rows * self.chunk * 2
+
+    def threads(self) -> int:
+        return 32 * (self.warps + 1)
+
+    def tiles(self, n: int) -> int:
+        return -(-n // self.rows)
+
+    def grid(self, n: int, num_sms: int = NUM_SMS_H200) -> tuple[int, int]:
+        if self.split_k > 1:
+            return (self.tiles(n), self.split_k)
+        return (min(self.tiles(n), num_sms * self.ctas_per_sm), 1)
+
+    def defines(self, n: int, k: int, m_bucket: int) -> dict[str, int]:
+        return {"FA_N": n, "FA_K": k, "FA_ROWS": self.rows, "FA_SPLIT_K": self.split_k, "FA_CHUNK": self.chunk,
+                "FA_STAGES": self.stages, "FA_WARPS": self.warps, "FA_MB": m_bucket,
+                "FA_XRES": int(self.x_resident), "FA_SMEM_BYTES": self.smem_bytes(n, k, m_bucket)}
+
+    def short(self) -> str:
+        s = f"r{self.rows}s{self.split_k}c{self.chunk}x{self.stages}w{self.warps}"
+        return s + ("X" if self.x_resident else "") + (f"p{self.ctas_per_sm}" if self.ctas_per_sm != 1 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegConfig:
+    """Compile-time configuration of the register kernel (version 1,
+    ``dsv3_fused_a_gemm``): ``rows`` weight rows per CTA, ``warps`` splitting
+    K, ``split_k`` CTAs per cluster, ``unroll`` 32-wide units per register
+    batch (two batches in flight), ``prefetch``: TMA L2 prefetch of the CTA's
+    whole slice at start."""
 
     rows: int = 16
     warps: int = 8
     split_k: int = 1
     unroll: int = 4
-    prefetch: bool = True
+    prefetch: bool = False
+
+    kernel = "dsv3_fused_a_gemm"
+    source = "dsv3_fused_a_gemm.cu"
 
     def registers(self, m_bucket: int) -> int:
         """Estimated registers per thread (two register batches + accumulators)."""
         nt, mf = self.rows // 16, m_bucket // 8
         return 2 * self.unroll * (2 * nt + mf) * 4 + nt * mf * 4 + 40
 
-    def ctas_per_sm(self, m_bucket: int) -> int:
-        threads = 32 * self.warps
-        regs = min(MAX_REGS, (self.registers(m_bucket) + 7) // 8 * 8)
-        return max(1, min(REGS_PER_SM // (regs * threads), 2048 // threads, 32))
+    def smem_bytes(self, n: int, k: int, m_bucket: int) -> int:
+        return 0  # static shared memory only
 
-    def grid(self, n: int) -> tuple[int, int]:
+    def weight_in_flight(self, n: int, k: int, m_bucket: int) -> int:
+        return 2 * self.unroll * self.rows * 64 * self.warps  # two register batches per warp
+
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def grid(self, n: int, num_sms: int = NUM_SMS_H200) -> tuple[int, int]:
         return (-(-n // self.rows), self.split_k)
 
     def defines(self, n: int, k: int, m_bucket: int) -> dict[str, int]:
@@ -130,119 +224,213 @@ class FusedAConfig:
                 "FA_PREFETCH": int(self.prefetch)}
 
     def short(self) -> str:
-        return f"r{self.rows}w{self.warps}s{self.split_k}u{self.unroll}{'p' if self.prefetch else ''}"
+        return f"v1:r{self.rows}w{self.warps}s{self.split_k}u{self.unroll}{'p' if self.prefetch else ''}"
 
 
-def config_valid(cfg: FusedAConfig, n: int, k: int, m_bucket: int) -> tuple[bool, str]:
-    """THE validity predicate of a config for a shape (dispatch, tuning table,
-    benchmark and tests all use it).  Mirrors the kernel's static_asserts and
-    keeps the register estimate below the spill limit."""
+Config = Union[TmaConfig, RegConfig]
+
+
+def config_valid(cfg: Config, n: int, k: int, m_bucket: int) -> tuple[bool, str]:
+    """THE validity predicate of a config for a shape (dispatch, tuning tables,
+    benchmark and tests all use it).  Mirrors the kernels' static_asserts and
+    the resource limits (shared memory; registers for version 1)."""
     if m_bucket not in M_BUCKETS:
         return False, f"m_bucket must be one of {M_BUCKETS}, got {m_bucket}"
-    if cfg.rows not in (16, 32, 64):
-        return False, f"rows must be 16, 32 or 64, got {cfg.rows}"
-    if cfg.split_k not in (1, 2, 4, 8):
-        return False, f"split_k must be 1, 2, 4 or 8, got {cfg.split_k}"
-    if not 1 <= cfg.warps <= 16:
-        return False, f"warps must be 1..16, got {cfg.warps}"
-    if not 1 <= cfg.unroll <= 8:
-        return False, f"unroll must be 1..8, got {cfg.unroll}"
     if n <= 0 or n % 16 != 0 or k <= 0 or k % 128 != 0:
         return False, f"needs N % 16 == 0 and K % 128 == 0 (both > 0), got N={n}, K={k}"
-    limit = min(MAX_REGS, REGS_PER_SM // (32 * cfg.warps))
-    if cfg.registers(m_bucket) > limit:
-        return False, f"about {cfg.registers(m_bucket)} registers per thread, over the limit {limit}"
-    if cfg.warps * cfg.rows * m_bucket * 4 > SMEM_STATIC:
-        return False, "reduction buffer over 48 KiB of shared memory"
-    units = k // 32
-    if units < cfg.split_k:
-        return False, f"split_k {cfg.split_k} exceeds the {units} 32-wide K units"
-    return True, "ok"
+    if isinstance(cfg, TmaConfig):
+        nt = cfg.rows // 16
+        if cfg.rows not in (16, 32, 48, 64):
+            return False, f"rows must be 16, 32, 48 or 64, got {cfg.rows}"
+        if not 1 <= cfg.split_k <= 8:
+            return False, f"split_k must be 1..8, got {cfg.split_k}"
+        if cfg.chunk % 64 != 0 or not 64 <= cfg.chunk <= 2048:
+            return False, f"chunk must be a multiple of 64 in [64, 2048], got {cfg.chunk}"
+        if not 1 <= cfg.stages <= 16:
+            return False, f"stages must be 1..16, got {cfg.stages}"
+        if not 1 <= cfg.warps <= 8 or (cfg.warps % nt != 0 and nt % cfg.warps != 0):
+            return False, f"warps must be 1..8 and a multiple or a divisor of rows/16 = {nt}, got {cfg.warps}"
+        if cfg.ctas_per_sm not in (1, 2) or (cfg.ctas_per_sm != 1 and cfg.split_k != 1):
+            return False, f"ctas_per_sm must be 1, or 2 with split_k == 1, got {cfg.ctas_per_sm}"
+        lay = cfg.layout(n, k, m_bucket)
+        if lay["chunks"] < cfg.split_k:
+            return False, f"split_k {cfg.split_k} exceeds the {lay['chunks']} K chunks of {cfg.chunk}"
+        if (cfg.chunk // 32) > 16 * lay["kgroups"]:
+            return False, f"chunk {cfg.chunk} gives over 16 units per warp per stage (code size)"
+        smem = lay["smem"]
+        if smem > SMEM_PER_CTA:
+            return False, f"{smem} bytes of shared memory, over {SMEM_PER_CTA}"
+        if cfg.ctas_per_sm * (smem + SMEM_RESERVED) > SMEM_PER_SM:
+            return False, f"{cfg.ctas_per_sm} CTAs of {smem} bytes do not fit one SM"
+        return True, "ok"
+    if isinstance(cfg, RegConfig):
+        if cfg.rows not in (16, 32, 64):
+            return False, f"rows must be 16, 32 or 64, got {cfg.rows}"
+        if cfg.split_k not in (1, 2, 4, 8):
+            return False, f"split_k must be 1, 2, 4 or 8, got {cfg.split_k}"
+        if not 1 <= cfg.warps <= 16:
+            return False, f"warps must be 1..16, got {cfg.warps}"
+        if not 1 <= cfg.unroll <= 8:
+            return False, f"unroll must be 1..8, got {cfg.unroll}"
+        limit = min(MAX_REGS, REGS_PER_SM // (32 * cfg.warps))
+        if cfg.registers(m_bucket) > limit:
+            return False, f"about {cfg.registers(m_bucket)} registers per thread, over the limit {limit}"
+        if cfg.warps * cfg.rows * m_bucket * 4 > SMEM_STATIC_V1:
+            return False, "reduction buffer over 48 KiB of shared memory"
+        if k // 32 < cfg.split_k:
+            return False, f"split_k {cfg.split_k} exceeds the {k // 32} 32-wide K units"
+        return True, "ok"
+    return False, f"expected a TmaConfig or RegConfig, got {type(cfg).__name__}"
 
 
 def m_bucket(m: int) -> int:
     return 8 if m <= 8 else 16
 
 
-# H200 (132 SMs), picked from benchmarks/device_skinny.py.  Key: (N, K) ->
-# {m_bucket: config}.  Shapes not listed use default_config().
-TUNING: dict[tuple[int, int], dict[int, FusedAConfig]] = {
-    (2112, 7168): {8: FusedAConfig(16, 8, 1, 4, True), 16: FusedAConfig(16, 8, 1, 4, True)},
-    (1536, 7168): {8: FusedAConfig(16, 4, 2, 4, True), 16: FusedAConfig(16, 4, 2, 4, True)},
-    (576, 7168): {8: FusedAConfig(16, 4, 8, 2, True), 16: FusedAConfig(16, 4, 8, 2, True)},
-    (256, 7168): {8: FusedAConfig(16, 8, 8, 2, True), 16: FusedAConfig(16, 8, 8, 2, True)},
-    (24576, 1536): {8: FusedAConfig(32, 4, 1, 4, True), 16: FusedAConfig(32, 4, 1, 2, True)},
+# ----------------------------------------------------------------------------
+# H200 tables.  TUNING: the TMA kernel's config per (N, K) and M bucket
+# (predictions until benchmarks/device_skinny.py has timed them; see
+# benchmarks/NOTES.md).  A PDL launch runs pdl_config() of it: the same tiles
+# and chunks (so the same summation order: PDL on and off give identical
+# bits) with the ring cut to SMEM_TWO_PER_SM, so that the next launch's CTAs
+# fit beside this one's and fill their rings while it finishes.
+# REG_TUNING: version 1's best configs, measured (run 1).
+# ----------------------------------------------------------------------------
+
+T = TmaConfig
+TUNING: dict[tuple[int, int], dict[int, Config]] = {
+    (2112, 7168): {8: T(32, 2, 256, 6, 4), 16: T(32, 2, 256, 6, 4)},
+    (1536, 7168): {8: T(32, 2, 256, 6, 4), 16: T(32, 2, 256, 6, 4)},
+    (576, 7168): {8: T(48, 8, 448, 2, 6), 16: T(48, 8, 448, 2, 6)},
+    (256, 7168): {8: T(16, 8, 448, 2, 4), 16: T(16, 8, 448, 2, 4)},
+    (24576, 1536): {8: T(64, 1, 256, 4, 4, True), 16: T(64, 1, 256, 4, 4, True)},
 }
+del T
+R = RegConfig
+REG_TUNING: dict[tuple[int, int], dict[int, RegConfig]] = {
+    (2112, 7168): {8: R(16, 8, 1, 4), 16: R(16, 8, 1, 4)},
+    (1536, 7168): {8: R(16, 4, 2, 4), 16: R(16, 4, 2, 4)},
+    (576, 7168): {8: R(16, 4, 8, 4, True), 16: R(16, 4, 8, 2)},
+    (256, 7168): {8: R(16, 8, 8, 4), 16: R(16, 8, 8, 2)},
+    (24576, 1536): {8: R(32, 4, 1, 2), 16: R(32, 4, 1, 2)},
+}
+del R
 
-NUM_SMS_H200 = 132
 
+def _tile_shapes(n: int, k: int, m_bucket: int, num_sms: int) -> list[tuple[float, int, int]]:
+    """(cost, rows, split_k) of every tile shape, cheapest first.
 
-def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> FusedAConfig:
-    """A reasonable config for an unseen shape: 16-row tiles; when there are
-    fewer tiles than SMs, split K (clusters) until about one wave of CTAs fills
-    the GPU; the deepest register batch that still gives each warp at least two
-    batches, with 8 warps when all CTAs are resident at once, else 4."""
-    tiles = -(-n // 16)
-    units = k // 32
-    split = 1
-    while tiles * split < num_sms and split < 8 and units >= 2 * split * 8:
-        split *= 2
-    ctas = tiles * split
-    for warps in (8, 4, 2):
-        for unroll in (4, 2, 1):
-            cfg = FusedAConfig(16, warps, split, unroll, True)
-            if not config_valid(cfg, n, k, m_bucket)[0]:
+    The cost (arbitrary units) is the larger of all weight bytes at the
+    device's bandwidth and the busiest CTA's bytes at twice its fair share of
+    it, plus x traffic from L2 at a sixth of the price and 2 % per extra
+    cluster rank.  Split-K grids must fit one wave.
+    """
+    total = n * k * 2
+    out = []
+    for rows in (64, 48, 32, 16):
+        tiles = -(-n // rows)
+        for split in (1, 2, 4, 8):
+            if k // 128 < split:
+                break
+            ctas = min(tiles, num_sms) if split == 1 else tiles * split
+            if ctas > num_sms:
                 continue
-            one_wave = ctas <= cfg.ctas_per_sm(m_bucket) * num_sms
-            if (one_wave or warps <= 4) and units / split / warps >= 2 * unroll:
-                return cfg
-    return FusedAConfig(16, 2, split, 1, True)
+            busiest = (-(-tiles // ctas) if split == 1 else 1) * rows * -(-k // split) * 2
+            x_traffic = tiles * split * m_bucket * -(-k // split) * 2
+            out.append((max(total, busiest * num_sms / 2) + x_traffic / 6 + 0.02 * total * (split - 1), rows, split))
+    return sorted(out)
 
 
-def choose_config(n: int, k: int, m: int) -> FusedAConfig:
-    """The tuned config of (N, K) for M's bucket, else :func:`default_config`."""
+def _ring_config(rows: int, split: int, chunk: int, n: int, k: int, m_bucket: int, budget: int,
+                 num_sms: int = NUM_SMS_H200, ctas_per_sm: int = 1) -> TmaConfig | None:
+    """The tile shape with the deepest ring (2..8 stages, at most the chunks
+    one CTA streams) within ``budget`` bytes of shared memory, or None.  Four
+    consumer warps (rows 48: three; twice rows / 16 when a chunk would give a
+    warp over 16 units); x resident for persistent grids when it takes at
+    most 64 KiB."""
+    nt = rows // 16
+    warps = 4 if nt in (1, 2, 4) else nt
+    if chunk // 32 > 16 * (warps // min(warps, nt)):
+        warps = 2 * nt  # two k-groups (rows 48 / 64 with long chunks)
+    tiles = -(-n // rows)
+    ctas = tiles * split if split > 1 else min(tiles, num_sms * ctas_per_sm)
+    xres = split == 1 and tiles > ctas and m_bucket * (k * 2 + 64) <= 64 * 1024
+    cap = -(-(-(-k // chunk)) // split) * -(-tiles // ctas)
+    best = None
+    for stages in range(2, min(8, max(2, cap)) + 1):
+        cfg = TmaConfig(rows, split, chunk, stages, warps, xres, ctas_per_sm)
+        if cfg.smem_bytes(n, k, m_bucket) > budget or not config_valid(cfg, n, k, m_bucket)[0]:
+            break
+        best = cfg
+    return best
+
+
+def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> TmaConfig:
+    """A config for an unseen shape: the cheapest tile shape of a small cost
+    model (:func:`_tile_shapes`) with the deepest ring (<= 8 stages) that fits
+    200 KiB of shared memory."""
+    budget = 200 * 1024
+    for _, rows, split in _tile_shapes(n, k, m_bucket, num_sms):
+        cfg = _ring_config(rows, split, 256 if k // split >= 1024 else 128, n, k, m_bucket, budget, num_sms)
+        if cfg is not None:
+            return cfg
+    return TmaConfig(16, 1, 128, 2, 4)
+
+
+def pdl_config(cfg: Config, n: int, k: int, m_bucket: int) -> Config:
+    """The config a PDL launch uses: ``cfg`` with its ring cut (to no fewer
+    than two stages) until two CTAs fit one SM; same tiles, same bits."""
+    if not isinstance(cfg, TmaConfig):
+        return cfg
+    while cfg.stages > 2 and cfg.smem_bytes(n, k, m_bucket) > SMEM_TWO_PER_SM:
+        cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+    return cfg
+
+
+def choose_config(n: int, k: int, m: int, pdl: bool = False, num_sms: int = NUM_SMS_H200) -> Config:
+    """The tuned config of (N, K) for M's bucket, else :func:`default_config`;
+    with ``pdl``, its :func:`pdl_config`."""
     mb = m_bucket(m)
     cfg = TUNING.get((n, k), {}).get(mb)
-    if cfg is not None and config_valid(cfg, n, k, mb)[0]:
-        return cfg
-    return default_config(n, k, mb)
+    if cfg is None or not config_valid(cfg, n, k, mb)[0]:
+        cfg = default_config(n, k, mb, num_sms)
+    return pdl_config(cfg, n, k, mb) if pdl else cfg
 
 
-def candidate_configs(n: int, k: int, m_bucket: int, limit: int = 16) -> list[FusedAConfig]:
+def _half_range_chunk(k: int, split: int) -> int | None:
+    """A chunk that cuts one split rank's K range into two stages, if any."""
+    if split == 1 or k % (2 * split) != 0 or (k // (2 * split)) % 64 != 0 or k // (2 * split) > 2048:
+        return None
+    return k // (2 * split)
+
+
+def candidate_configs(n: int, k: int, m_bucket: int, limit: int = 24, num_sms: int = NUM_SMS_H200) -> list[Config]:
     """Valid configs worth timing for a shape (the benchmark's search space).
 
-    The tuned config, its prefetch toggle and the default come first; then one
-    config per (rows, split_k) group in turn (deepest batches and most warps
-    first), so that a short list still spans the CTA-count choices.  Groups
-    launch between 0.7 and 12 waves' worth of CTAs and are resident in at most
-    two waves.
+    The tuned config, the default and version 1's best come first; then, for
+    the six cheapest tile shapes of the cost model (:func:`_tile_shapes`),
+    rings filling ``SMEM_TWO_PER_SM`` and 200 KiB with 256-wide chunks, each
+    split rank's whole K range in two stages, 512-wide chunks, 128-wide chunks, a two-CTAs-per-SM persistent grid where there are enough
+    tiles, and 64 KiB rings: breadth first, so a short list still spans the
+    tile shapes and ring depths.
     """
-    seen: dict[FusedAConfig, None] = {}
-    tuned = TUNING.get((n, k), {}).get(m_bucket)
-    first = [tuned, dataclasses.replace(tuned, prefetch=not tuned.prefetch)] if tuned else []
-    for cfg in first + [default_config(n, k, m_bucket)]:
-        if config_valid(cfg, n, k, m_bucket)[0]:
+    seen: dict[Config, None] = {}
+    first = [TUNING.get((n, k), {}).get(m_bucket), default_config(n, k, m_bucket, num_sms),
+             REG_TUNING.get((n, k), {}).get(m_bucket)]
+    for cfg in first:
+        if cfg is not None and config_valid(cfg, n, k, m_bucket)[0]:
             seen[cfg] = None
-    groups = []
-    for rows in (16, 32, 64):
-        for split in (1, 2, 4, 8):
-            ctas = -(-n // rows) * split
-            if not NUM_SMS_H200 * 0.7 <= ctas <= NUM_SMS_H200 * 12:
+    shapes = [(rows, split) for _, rows, split in _tile_shapes(n, k, m_bucket, num_sms)[:6]]
+    rounds = [(SMEM_TWO_PER_SM, 256, 1), (200 * 1024, 256, 1), (200 * 1024, "half", 1), (SMEM_TWO_PER_SM, 512, 1),
+              (200 * 1024, 512, 1), (SMEM_TWO_PER_SM, 128, 1), (SMEM_TWO_PER_SM, 256, 2), (64 * 1024, 256, 1)]
+    for budget, chunk, per_sm in rounds:
+        for rows, split in shapes:
+            if per_sm == 2 and (split != 1 or -(-n // rows) < 2 * num_sms):
                 continue
-            group = []
-            for prefetch in (True, False):
-                for unroll in (4, 2):
-                    for warps in (8, 4):
-                        cfg = FusedAConfig(rows, warps, split, unroll, prefetch)
-                        if (config_valid(cfg, n, k, m_bucket)[0]
-                                and cfg.ctas_per_sm(m_bucket) * NUM_SMS_H200 * 2 >= ctas):
-                            group.append(cfg)
-            if group:
-                groups.append(group)
-    for i in range(max((len(g) for g in groups), default=0)):
-        for group in groups:
-            if i < len(group):
-                seen.setdefault(group[i], None)
+            c = _half_range_chunk(k, split) if chunk == "half" else chunk
+            cfg = None if c is None else _ring_config(rows, split, c, n, k, m_bucket, budget, num_sms, per_sm)
+            if cfg is not None:
+                seen.setdefault(cfg, None)
     return list(seen)[:limit]
 
 
@@ -252,16 +440,21 @@ def candidate_configs(n: int, k: int, m_bucket: int, limit: int = 16) -> list[Fu
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_spec(n: int, k: int, m_bucket: int, cfg: FusedAConfig) -> jit.NvrtcKernelSpec:
+def kernel_spec(n: int, k: int, m_bucket: int, cfg: Config) -> jit.NvrtcKernelSpec:
     """The NVRTC spec of one instantiation (validated)."""
     ok, why = config_valid(cfg, n, k, m_bucket)
     if not ok:
         raise ValueError(f"cfg: expected a valid config for N={n}, K={k}, M bucket {m_bucket}, got {cfg}: {why}")
-    return jit.NvrtcKernelSpec(KERNEL, _source(), arch=ARCH, defines=cfg.defines(n, k, m_bucket))
+    return jit.NvrtcKernelSpec(cfg.kernel, _source(cfg.source), arch=ARCH, defines=cfg.defines(n, k, m_bucket))
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, enable_pdl: bool = False,
-           cfg: FusedAConfig | None = None) -> torch.Tensor:
+           cfg: Config | None = None) -> torch.Tensor:
     """Run the kernel into ``out`` ([M, N] bf16, contiguous) on the current stream.
 
     Arguments must already be validated (``skinny.check_args``) with 1 <= M <= 16.
@@ -269,11 +462,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, enable_pdl:
     m, k = x.shape
     n = weight.shape[0]
     mb = m_bucket(m)
-    cfg = cfg or choose_config(n, k, m)
+    sms = num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    cfg = cfg or choose_config(n, k, m, enable_pdl, sms)
     kern = kernel_spec(n, k, mb, cfg).kernel()
-    kern.launch(cfg.grid(n), 32 * cfg.warps,
+    kern.launch(cfg.grid(n, sms), cfg.threads(),
                 (x, weight, out, ctypes.c_int(m), ctypes.c_longlong(x.stride(0))),
-                device=x.device, pdl=enable_pdl)
+                device=x.device, shared_mem=cfg.smem_bytes(n, k, mb), pdl=enable_pdl)
     return out
 
 
@@ -290,7 +484,7 @@ backends.register(Backend(
     impls={skinny.OP: fused_a_gemm},
     is_supported=is_supported,
     can_implement=can_implement,
-    description="csrc/dsv3_fused_a_gemm.cu: NVRTC, mma.sync bf16, split-K over warps and clusters",
+    description="csrc/dsv3_fused_a_gemm_tma.cu: NVRTC, TMA bulk-copy ring, mma.sync bf16, split-K over clusters",
 ))
 
 
@@ -300,8 +494,9 @@ backends.register(Backend(
 
 
 def prebuild_specs(value: str) -> list[jit.NvrtcKernelSpec]:
-    """Specs of both M buckets for each ``N:K`` of ``value`` (e.g. ``"2112:7168,576:7168"``)."""
-    specs = []
+    """Specs of both M buckets, without and with PDL (:func:`pdl_config`),
+    for each ``N:K`` of ``value`` (e.g. ``"2112:7168,576:7168"``); each once."""
+    specs: dict[str, jit.NvrtcKernelSpec] = {}
     for item in value.split(","):
         item = item.strip()
         if not item:
@@ -311,9 +506,11 @@ def prebuild_specs(value: str) -> list[jit.NvrtcKernelSpec]:
         except ValueError:
             raise ValueError(f"--skinny: expected N:K pairs such as 2112:7168, got {item!r}") from None
         for mb in M_BUCKETS:
-            specs.append(kernel_spec(n, k, mb, choose_config(n, k, mb)))
-    return specs
+            for pdl in (False, True):
+                spec = kernel_spec(n, k, mb, choose_config(n, k, mb, pdl))
+                specs.setdefault(spec.key, spec)
+    return list(specs.values())
 
 
 jit.register_prebuild("skinny", prebuild_specs,
-                      help="N:K[,N:K...] fused-A kernels (both M buckets, tuned configs)")
+                      help="N:K[,N:K...] fused-A kernels (both M buckets, with and without PDL, tuned configs)")

@@ -177,6 +177,10 @@ def test_mm_matches_float64(device, op, m, n, k, col, row_pad, out_dtype, block)
     assert out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
     assert not torch.isnan(out).any()
     tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[out_dtype]
+    if device == "cuda":
+        # Hopper's FP8 tensor cores add products inside a K-block with a
+        # narrower accumulator (~2^-14) before the fp32 promotion
+        tol = max(tol, 2e-3)
     if m:
         assert rel_err(out, ref) < tol
 
@@ -263,10 +267,12 @@ def test_linear_equals_quant_then_mm(device, m, n, k, bias, out_dtype):
         ref = ref + bvec.double().cpu()
     assert out.shape == (m, n) and out.dtype == out_dtype
     # bias added in fp32 before the one rounding: bit-equal to the fp32 path
+    # on the CPU; on a GPU the fused kernel accumulates in another order
     exact = torch.ops.scaledmm.fp8_block_mm(q, w, s, ws, [128, 128], torch.float32)
     if bias:
         exact = exact + bvec.float()
-    torch.testing.assert_close(out, exact.to(out_dtype), rtol=0, atol=0)
+    tol = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1.6e-2, atol=2e-3)
+    torch.testing.assert_close(out, exact.to(out_dtype), **tol)
     if m:
         assert rel_err(out, ref) < 8e-3
 

@@ -1,5 +1,5 @@
 """scaledmm.jit: keys, disk cache, file lock, SCALEDMM_JIT_NO_BUILD, nvcc
-libraries, NVRTC cubins (no GPU needed), the command line."""
+libraries, NVRTC cubins (no GPU needed), the command line (scaledmm.jit.cli)."""
 
 from __future__ import annotations
 
@@ -137,11 +137,14 @@ _BUILDER = textwrap.dedent("""
     import importlib.util, logging, os, sys, time
     from pathlib import Path
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
-    # jit.py alone (no torch import): the core module needs only the standard library
-    spec = importlib.util.spec_from_file_location("scaledmm_jit_alone", sys.argv[3])
+    # the scaledmm.jit package alone (no scaledmm, no torch): it needs only the
+    # standard library until something is compiled
+    init = Path(sys.argv[3])
+    spec = importlib.util.spec_from_file_location("scaledmm_jit_alone", init,
+                                                  submodule_search_locations=[str(init.parent)])
     jit = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(jit)
-    assert "torch" not in sys.modules
+    assert "torch" not in sys.modules and "scaledmm" not in sys.modules
     spec = jit.NvrtcKernelSpec("tiny_fill", sys.argv[1], defines={"SCALE": 7})
     spec.key
     go = Path(sys.argv[2])
@@ -239,3 +242,17 @@ def test_cli_status_and_prebuild_hook(cache, capsys):
         del jit._PREBUILD["fake-family"]
     assert jit.main(["status"]) == 0
     assert str(cache) in capsys.readouterr().out
+
+
+def test_cli_module_runs_without_warnings(cache):
+    """``python -m scaledmm.jit`` runs the package's ``__main__`` (no runpy
+    RuntimeWarning about a module imported twice) and builds through the
+    families' hooks."""
+    env = dict(os.environ, **{jit.ENV_CACHE_DIR: str(cache)})
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "scaledmm.jit", "status"],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "RuntimeWarning" not in proc.stderr and str(cache) in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "scaledmm.jit", "build"], capture_output=True, text=True, env=env,
+                          timeout=240)
+    assert proc.returncode == 2 and "--skinny" in proc.stderr

@@ -29,7 +29,9 @@ def test_matches_float_layer(device, k, n, bias):
     xp = torch.nn.functional.pad(x, (0, layer._k_pad))
     ref = ops.reference_linear(xp, layer.weight, layer.weight_scale_inv, (128, 128), torch.bfloat16,
                                layer.bias)
-    torch.testing.assert_close(layer(x), ref, rtol=0, atol=0)
+    # the reference math, bit for bit on the CPU; other kernels on a GPU
+    tol = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(layer(x), ref, **tol)
 
 
 def test_checkpoint_round_trip_and_layout():

@@ -6,6 +6,7 @@ fused_a kernel on an sm90 device."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 
@@ -25,9 +26,12 @@ from scaledmm.ops import skinny_fused_a as fa
 BF16 = torch.bfloat16
 OP = torch.ops.scaledmm.dsv3_fused_a_gemm
 SHIPPED_SHAPES = sorted(fa.TUNING)  # (N, K)
-# For N = 48, K = 1152: a partial 32-row tile, clusters of 4 CTAs splitting 36
-# K units 9 / 9 / 9 / 9 in batches of 2 (a partial last batch), L2 prefetch.
-PARTIAL_CFG = fa.FusedAConfig(32, 4, 4, 2, True)
+# For N = 48, K = 1152: a partial 32-row tile, clusters of 4 CTAs splitting 9
+# chunks of 128 as 2 / 2 / 2 / 3, a two-stage ring.
+PARTIAL_CFG = fa.TmaConfig(32, 4, 128, 2, 4)
+# Version 1 on the same shape: clusters of 4 splitting 36 K units 9 / 9 / 9 / 9
+# in batches of 2 (a partial last batch), L2 prefetch.
+PARTIAL_V1 = fa.RegConfig(32, 4, 4, 2, True)
 
 
 def _x(m, k, device="cpu", row_stride=None, offset=0):
@@ -244,34 +248,56 @@ def test_backend_registered_and_cpu_unsupported():
 
 
 def test_shipped_configs_valid():
-    for (n, k), table in fa.TUNING.items():
-        for mb, cfg in table.items():
-            assert fa.config_valid(cfg, n, k, mb) == (True, "ok"), (n, k, mb, cfg)
+    for table in (fa.TUNING, fa.REG_TUNING):
+        for (n, k), row in table.items():
+            for mb, cfg in row.items():
+                assert fa.config_valid(cfg, n, k, mb) == (True, "ok"), (n, k, mb, cfg)
+                pdl = fa.pdl_config(cfg, n, k, mb)
+                assert fa.config_valid(pdl, n, k, mb)[0]
     for n in (16, 48, 256, 576, 1536, 2112, 4096, 24576):
         for k in (128, 384, 1536, 7168):
             for mb in fa.M_BUCKETS:
                 assert fa.config_valid(fa.default_config(n, k, mb), n, k, mb)[0], (n, k, mb)
                 assert all(fa.config_valid(c, n, k, mb)[0] for c in fa.candidate_configs(n, k, mb))
-    bad = fa.FusedAConfig(rows=64, warps=16, unroll=8)
+    bad = fa.TmaConfig(rows=64, chunk=2048, stages=16)
     assert not fa.config_valid(bad, 2112, 7168, 16)[0]
+    assert "warps" in fa.config_valid(fa.TmaConfig(48, warps=4), 2112, 7168, 16)[1]
+    assert not fa.config_valid(fa.RegConfig(rows=64, warps=16, unroll=8), 2112, 7168, 16)[0]
+    assert not fa.config_valid(fa.TmaConfig(split_k=8), 2112, 512, 8)[0]  # 2 chunks for 8 ranks
     with pytest.raises(ValueError, match="cfg: expected a valid config"):
         fa.kernel_spec(2112, 7168, 16, bad)
 
 
+def test_pdl_config_keeps_the_summation_order():
+    """A PDL launch only gets a shallower ring (same tiles, chunks, warps: the
+    same bits), small enough for two CTAs per SM when two stages allow it."""
+    for (n, k), row in fa.TUNING.items():
+        for mb, cfg in row.items():
+            pdl = fa.pdl_config(cfg, n, k, mb)
+            assert dataclasses.replace(pdl, stages=cfg.stages) == cfg
+            assert pdl.smem_bytes(n, k, mb) <= fa.SMEM_TWO_PER_SM or pdl.stages == 2
+            assert fa.choose_config(n, k, mb, pdl=True) == pdl
+
+
 def _shipped_instantiations():
-    out = []
+    out = {}
     for n, k in SHIPPED_SHAPES:
         for mb in fa.M_BUCKETS:
-            out.append((n, k, mb, fa.choose_config(n, k, mb)))
-    out.append((48, 384, 8, fa.default_config(48, 384, 8)))
-    out.append((4096, 4096, 16, fa.FusedAConfig(32, 4, 4, 2, False)))  # clusters + 2 tiles per warp
-    out.append((48, 1152, 16, PARTIAL_CFG))
-    return out
+            for pdl in (False, True):
+                out[(n, k, mb, fa.choose_config(n, k, mb, pdl))] = None
+            out[(n, k, mb, fa.REG_TUNING[(n, k)][mb])] = None
+    out[(48, 384, 8, fa.default_config(48, 384, 8))] = None
+    out[(4096, 4096, 16, fa.default_config(4096, 4096, 16))] = None
+    out[(4096, 4096, 16, fa.RegConfig(32, 4, 4, 2, False))] = None  # clusters + 2 tiles per warp
+    out[(48, 1152, 16, PARTIAL_CFG)] = None
+    out[(48, 1152, 16, PARTIAL_V1)] = None
+    out[(8448, 512, 16, fa.TmaConfig(64, 1, 256, 2, 2, False, 2))] = None  # persistent, 2 subtiles per warp
+    return list(out)
 
 
 @pytest.mark.skipif(not jit.nvrtc_available()[0], reason="NVRTC not available")
 @pytest.mark.parametrize("n,k,mb,cfg", _shipped_instantiations(),
-                         ids=lambda v: v.short() if isinstance(v, fa.FusedAConfig) else str(v))
+                         ids=lambda v: v.short() if hasattr(v, "short") else str(v))
 def test_instantiation_compiles_without_spills(n, k, mb, cfg):
     spec = fa.kernel_spec(n, k, mb, cfg)
     log = io.StringIO()
@@ -280,13 +306,31 @@ def test_instantiation_compiles_without_spills(n, k, mb, cfg):
     text = log.getvalue()
     assert re.search(r"\b0 bytes spill stores", text), text
     regs = int(re.search(r"Used (\d+) registers", text).group(1))
-    assert regs <= cfg.registers(mb), f"estimate {cfg.registers(mb)} below the real {regs} registers"
+    if isinstance(cfg, fa.RegConfig):
+        assert regs <= cfg.registers(mb), f"estimate {cfg.registers(mb)} below the real {regs} registers"
+    else:
+        assert regs * cfg.threads() * cfg.ctas_per_sm <= fa.REGS_PER_SM // 2, regs  # room for a PDL neighbour
+
+
+@pytest.mark.skipif(not jit.nvrtc_available()[0], reason="NVRTC not available")
+def test_kernel_checks_the_shared_memory_size():
+    """The .cu file static_asserts its layout against the launcher's FA_SMEM_BYTES."""
+    cfg = fa.TmaConfig(32, 2, 256, 3, 4)
+    defines = dict(cfg.defines(2112, 7168, 16), FA_SMEM_BYTES=cfg.smem_bytes(2112, 7168, 16) + 16)
+    spec = jit.NvrtcKernelSpec(cfg.kernel, fa._source(cfg.source), arch=fa.ARCH, defines=defines)
+    with pytest.raises(jit.CompileError, match="FA_SMEM_BYTES"):
+        spec.compile()
 
 
 def test_prebuild_hook_parses_shapes():
     specs = fa.prebuild_specs("2112:7168, 576:7168")
-    assert len(specs) == 4 and all(isinstance(s, jit.NvrtcKernelSpec) for s in specs)
-    assert len({s.key for s in specs}) == 4
+    assert all(isinstance(s, jit.NvrtcKernelSpec) for s in specs)
+    assert len({s.key for s in specs}) == len(specs) and 4 <= len(specs) <= 8
+    keys = {s.key for s in specs}
+    for n, k in ((2112, 7168), (576, 7168)):
+        for mb in fa.M_BUCKETS:
+            for pdl in (False, True):
+                assert fa.kernel_spec(n, k, mb, fa.choose_config(n, k, mb, pdl)).key in keys
     with pytest.raises(ValueError, match="--skinny"):
         fa.prebuild_specs("2112x7168")
 
@@ -329,7 +373,7 @@ def test_gpu_every_candidate_config(mb):
     w = _w(n, k, "cuda")
     m = mb - 1
     x = _x(m, k, "cuda")
-    for cfg in fa.candidate_configs(n, k, mb, limit=64) + [fa.FusedAConfig(32, 4, 4, 2, False)]:
+    for cfg in fa.candidate_configs(n, k, mb, limit=64) + [fa.RegConfig(32, 4, 4, 2, False)]:
         out = poison_(torch.empty(m, n, dtype=BF16, device="cuda"))
         fa.launch(x, w, out, cfg=cfg)
         assert_close_to_f64(out, x, w)
@@ -337,7 +381,9 @@ def test_gpu_every_candidate_config(mb):
 
 @requires_cuda
 @requires_fused_a
-@pytest.mark.parametrize("cfg", [PARTIAL_CFG, fa.FusedAConfig(16, 2, 8, 1, False), fa.FusedAConfig(64, 4, 2, 1, True)],
+@pytest.mark.parametrize("cfg", [PARTIAL_CFG, PARTIAL_V1, fa.TmaConfig(16, 8, 128, 3, 2),
+                                 fa.TmaConfig(48, 2, 192, 2, 3, True), fa.RegConfig(16, 2, 8, 1, False),
+                                 fa.RegConfig(64, 4, 2, 1, True)],
                          ids=lambda c: c.short())
 def test_gpu_partial_tiles_and_batches(cfg):
     n, k = 48, 1152
@@ -346,6 +392,21 @@ def test_gpu_partial_tiles_and_batches(cfg):
         x = _x(m, k, "cuda", row_stride=k + 64, offset=16)
         out = poison_(torch.empty(m, n, dtype=BF16, device="cuda"))
         fa.launch(x, w, out, m % 2 == 0, cfg)
+        assert_close_to_f64(out, x, w)
+
+
+@requires_cuda
+@requires_fused_a
+@pytest.mark.parametrize("cfg", [fa.TmaConfig(16, 1, 256, 3, 4, True), fa.TmaConfig(48, 1, 128, 4, 6),
+                                 fa.TmaConfig(64, 1, 256, 2, 2, False, 2)], ids=lambda c: c.short())
+def test_gpu_persistent_tiles(cfg):
+    """More tiles than CTAs: each CTA loops over tiles (persistent grid)."""
+    n, k = 16 * 132 * 4, 512
+    w = _w(n, k, "cuda")
+    for m in (1, 8, 13):
+        x = _x(m, k, "cuda", row_stride=768, offset=128)
+        out = poison_(torch.empty(m, n, dtype=BF16, device="cuda"))
+        fa.launch(x, w, out, m == 8, cfg)
         assert_close_to_f64(out, x, w)
 
 
