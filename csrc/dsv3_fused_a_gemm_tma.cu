@@ -39,9 +39,11 @@
 //    rows are padded to a pitch = 64 mod 128 bytes, so the loads are free of
 //    bank conflicts.
 //  * Warps split the tile's 16-row subtiles and, beyond that, the units of
-//    each chunk (k-groups); k-group partials are added in shared memory and
-//    split-K partials through DSMEM, both in a fixed order: no workspace, no
-//    memset, no atomics, bit-reproducible, CUDA-graph safe.
+//    each chunk (k-groups); k-group partials are added in shared memory;
+//    split-K ranks push their partials into the shared memory of the rank
+//    that finishes each part of the tile (DSMEM stores, one cluster barrier),
+//    which adds them in rank order: no workspace, no memset, no atomics,
+//    bit-reproducible, CUDA-graph safe.
 //  * griddepcontrol.launch_dependents right after setup: a PDL-launched
 //    successor may then start and stream its own weight while this grid
 //    finishes; it still waits (griddepcontrol.wait) for this grid's output.
@@ -109,17 +111,18 @@ constexpr int UNITS = CHUNK / 32;                          // 32-wide k units of
 constexpr int UPW = (UNITS + KW - 1) / KW;                 // units per warp per chunk (at most)
 constexpr bool EVEN_UNITS = FULL_CHUNKS && UNITS % KW == 0;
 
-// Shared memory layout (bytes): ring | resident x | reduction | mbarriers.
+// Shared memory layout (bytes): ring | resident x | k-group partials | split-K inbox | mbarriers.
 constexpr int PITCH = CHUNK * 2 + 64;  // = 64 (mod 128) bytes: rows g, g+1 hit disjoint banks
 constexpr int XPITCH = RANK_CHUNKS * CHUNK * 2 + 64;
 constexpr int STAGE_W = ROWS * PITCH;
 constexpr int STAGE_BYTES = STAGE_W + (XRES ? 0 : MB * PITCH);
 constexpr int RING_BYTES = STAGES * STAGE_BYTES;
 constexpr int XRES_BYTES = XRES ? MB * XPITCH : 0;
-constexpr int TILE = ROWS * MB;  // fp32 partials of one tile, [mm][row]
-constexpr bool NEED_RED = KW > 1 || SPLIT > 1;
-constexpr int RED_BYTES = NEED_RED ? 2 * KW * TILE * 4 : 0;  // double-buffered across tiles
-constexpr int BAR_OFF = RING_BYTES + XRES_BYTES + RED_BYTES;
+constexpr int TILE = ROWS * MB;               // fp32 partials of one tile, [mm][row]
+constexpr int PER = (TILE + SPLIT - 1) / SPLIT;  // elements of a tile each split rank finishes
+constexpr int RED_BYTES = KW > 1 ? 2 * KW * TILE * 4 : 0;    // k-group partials, double-buffered across tiles
+constexpr int INBOX_BYTES = SPLIT > 1 ? SPLIT * PER * 4 : 0;  // split-K partials pushed by the ranks
+constexpr int BAR_OFF = RING_BYTES + XRES_BYTES + RED_BYTES + INBOX_BYTES;
 constexpr int SMEM = BAR_OFF + (2 * STAGES + 1) * 8;
 
 static_assert(N % 16 == 0, "N must be a multiple of 16");
@@ -220,20 +223,23 @@ __device__ __forceinline__ u32 cluster_rank() {
   return r;
 }
 
-__device__ __forceinline__ void cluster_sync() {  // publishes this CTA's shared-memory writes
+__device__ __forceinline__ void cluster_sync() {  // publishes every thread's shared-memory writes cluster-wide
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-__device__ __forceinline__ void cluster_sync_relaxed() {  // orders nothing: "everyone got here"
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+// Split phase of a cluster barrier: arrive at start, wait before the first
+// access to a peer's shared memory (which must have started running).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
 
-__device__ __forceinline__ float load_peer(u32 local_addr, u32 rank) {
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+
+// Store into the shared memory of cluster rank `rank` at the address `local_addr` has here.
+__device__ __forceinline__ void store_peer(u32 local_addr, u32 rank, float v) {
   u32 remote;
-  float v;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_addr), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
 }
 
 // -- the CTA's work: tiles tile0, tile0 + step, ...; chunks [c_begin, c_end) of each
@@ -274,6 +280,7 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
   const u32 s_ring = s_base;
   const u32 s_xres = s_base + RING_BYTES;
   float* red = reinterpret_cast<float*>(smem + RING_BYTES + XRES_BYTES);
+  float* inbox = reinterpret_cast<float*>(smem + RING_BYTES + XRES_BYTES + RED_BYTES);  // [rank][PER]
   const u32 bar_full = s_base + BAR_OFF;       // full[s] at bar_full + 8 s
   const u32 bar_empty = bar_full + 8 * STAGES;  // empty[s]
   const u32 bar_x = bar_empty + 8 * STAGES;     // resident x
@@ -303,6 +310,7 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
   }
   __syncthreads();
   launch_dependents();
+  if (SPLIT > 1) cluster_arrive_relaxed();  // "this CTA runs"; waited on before the DSMEM stores
 
   if (warp == CW) {
     // ---------------------------------------------------------------- producer
@@ -350,6 +358,7 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
       }
     }
     __syncwarp();
+    if (SPLIT > 1) cluster_wait();
   } else {
     // ---------------------------------------------------------------- consumers
     grid_dependency_wait();  // before any write of out (its memory may be the previous grid's)
@@ -377,7 +386,7 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
         const int units = EVEN_UNITS ? UNITS : chunk_len(wk.c_begin + j) / 32;
         const unsigned char* sw = smem + s * STAGE_BYTES + frag;
         const unsigned char* sx = (XRES ? smem + RING_BYTES + j * CHUNK * 2 : smem + s * STAGE_BYTES + STAGE_W) + xfrag;
-#pragma unroll
+#pragma unroll 4  // (full unrolling lets ptxas hoist every unit's loads: spills at 16 units)
         for (int q = 0; q < UPW; ++q) {
           const int u = kg + q * KW;
           if (!EVEN_UNITS && u >= units) break;
@@ -404,22 +413,33 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
 
       // acc[a][f] = D of weight rows st*16 + g8 (+8), x rows f*8 + 2*t4 (+1).
       const int n_base = tile * ROWS;
-      if (!NEED_RED) {
+      // Where tile element e = mm * ROWS + r goes: out (SPLIT == 1), or the
+      // inbox of the rank that finishes it, slot [this rank][e % PER].
+      auto emit = [&](int e, float v) {
+        const int mm = e / ROWS, r = e % ROWS;
+        if (mm >= mv || (!FULL_ROWS && r >= rows)) return;
+        if (SPLIT == 1) {
+          out[(long long)mm * N + n_base + r] = to_bf16(v);
+        } else {
+          const int owner = e / PER;
+          store_peer(smem_addr(inbox + rank * PER + (e - owner * PER)), (u32)owner, v);
+        }
+      };
+      if (SPLIT > 1) {  // every peer runs (one tile per CTA: once)
+        __syncwarp();
+        cluster_wait();
+      }
+      if (KW == 1) {
 #pragma unroll
         for (int a = 0; a < WT; ++a) {
           const int r = (tg * WT + a) * 16 + g8;
-          if (!FULL_ROWS && r >= rows) continue;
 #pragma unroll
           for (int f = 0; f < MF; ++f) {
             const int mm = f * 8 + 2 * t4;
-            if (mm < mv) {
-              out[(long long)mm * N + n_base + r] = to_bf16(acc[a][f][0]);
-              out[(long long)mm * N + n_base + r + 8] = to_bf16(acc[a][f][2]);
-            }
-            if (mm + 1 < mv) {
-              out[(long long)(mm + 1) * N + n_base + r] = to_bf16(acc[a][f][1]);
-              out[(long long)(mm + 1) * N + n_base + r + 8] = to_bf16(acc[a][f][3]);
-            }
+            emit(mm * ROWS + r, acc[a][f][0]);
+            emit((mm + 1) * ROWS + r, acc[a][f][1]);
+            emit(mm * ROWS + r + 8, acc[a][f][2]);
+            emit((mm + 1) * ROWS + r + 8, acc[a][f][3]);
           }
         }
       } else {
@@ -438,39 +458,34 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
           }
         }
         consumer_sync();
-        // Sum the k-groups in a fixed order (each element read and written by one thread).
+        // Sum the k-groups in a fixed order.  The buffer alternates between
+        // tiles, so the next tile's writes cannot meet this tile's reads.
         for (int e = threadIdx.x; e < TILE; e += CW * 32) {
           float v = buf[e];
 #pragma unroll
           for (int q = 1; q < KW; ++q) v += buf[q * TILE + e];
-          if (SPLIT == 1) {
-            const int mm = e / ROWS, r = e % ROWS;
-            if (mm < mv && (FULL_ROWS || r < rows)) out[(long long)mm * N + n_base + r] = to_bf16(v);
-          } else if (KW > 1) {
-            buf[e] = v;
-          }
+          emit(e, v);
         }
       }
     }
   }
 
   if (SPLIT > 1) {
-    // One tile per cluster: add the ranks' partial tiles (red[0..TILE)) in rank
-    // order through DSMEM; each rank writes 1/SPLIT of the tile.  The second
-    // barrier keeps every CTA's shared memory alive until its peers have read it.
+    // One tile per cluster.  Every rank has pushed its partials into the
+    // owners' inboxes; after the barrier each rank adds its PER elements over
+    // the ranks in a fixed order, locally.  No shared memory of a peer is
+    // touched after the barrier, so a CTA may exit as soon as it is done.
     __syncwarp();
     cluster_sync();
     const int tile = wk.tile0;
     const int rows = tile_rows(tile);
-    constexpr int PER = (TILE + SPLIT - 1) / SPLIT;
-    const u32 s_red = smem_addr(red);
-    for (int e = rank * PER + threadIdx.x; e < (rank + 1) * PER && e < TILE; e += THREADS) {
-      float v = 0.f;
+    for (int j = threadIdx.x; j < PER && rank * PER + j < TILE; j += THREADS) {
+      float v = inbox[j];
 #pragma unroll
-      for (int p = 0; p < SPLIT; ++p) v += load_peer(s_red + 4 * e, (u32)p);
+      for (int p = 1; p < SPLIT; ++p) v += inbox[p * PER + j];
+      const int e = rank * PER + j;
       const int mm = e / ROWS, r = e % ROWS;
       if (mm < mv && (FULL_ROWS || r < rows)) out[(long long)mm * N + tile * ROWS + r] = to_bf16(v);
     }
-    cluster_sync_relaxed();  // the peer loads above have returned their values (they were used)
   }
 }

@@ -204,12 +204,12 @@ def reference_quant(x: torch.Tensor, scale: torch.Tensor | None = None,
         s.copy_(scale)
     elif per_token:
         amax = xf.abs().amax(dim=1, keepdim=True) if k else xf.new_zeros((m, 1))
-        sv = torch.clamp(amax, min=AMAX_FLOOR) / amax.new_tensor(FP8_MAX)  # true division on CUDA too
+        sv = torch.clamp(amax, min=AMAX_FLOOR) / amax.new_full((), FP8_MAX)  # true division on CUDA too
         s.copy_(sv)
     else:
         ax = xf.abs()
         amax = torch.where(torch.isfinite(ax), ax, 0.0).amax() if x.numel() else xf.new_zeros(())
-        sv = (torch.clamp(amax, min=AMAX_FLOOR) / amax.new_tensor(FP8_MAX)).reshape(1, 1)
+        sv = (torch.clamp(amax, min=AMAX_FLOOR) / amax.new_full((), FP8_MAX)).reshape(1, 1)
         s.copy_(sv.reshape(1))
     q.copy_(torch.clamp(xf / sv, -FP8_MAX, FP8_MAX))
     return q, s
@@ -312,6 +312,8 @@ def _cublas_supported(device: torch.device) -> tuple[bool, str]:
 
 
 def _cublas_can_implement(p: Problem) -> tuple[bool, str]:
+    if p.opt("quant") is not None:  # a quant_fp8 problem: torch math, no GEMM alignment
+        return True, "quant_fp8: torch math (no cuBLAS kernel involved)"
     if p.k % ALIGN_K != 0 or p.n % ALIGN_N != 0:
         return False, f"needs K % {ALIGN_K} == 0 and N % {ALIGN_N} == 0, got N={p.n}, K={p.k}"
     if not p.opt("b_aligned", True):

@@ -119,8 +119,9 @@ def reference_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1e-10,
     m, k = x.shape
     xg = x.float().reshape(m, k // group_size, group_size)
     amax = xg.abs().amax(dim=-1) if k else xg.new_zeros((m, 0))
-    # a true division: on CUDA, "t / 448.0" is computed as "t * fl(1/448)"
-    scale = torch.clamp(amax, min=eps) / amax.new_tensor(FP8_MAX)
+    # a true division: on CUDA, "t / 448.0" is computed as "t * fl(1/448)";
+    # new_full fills on the device (no host copy: CUDA-graph capturable)
+    scale = torch.clamp(amax, min=eps) / amax.new_full((), FP8_MAX)
     if scale_ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     qv = torch.clamp(xg / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -348,7 +348,7 @@ def _quantize_linear(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch
     xb = x.float().reshape(m, k // BLOCK, BLOCK)
     gs = global_scale.float().reshape(())
     amax = xb.abs().amax(dim=-1)  # NaN propagates
-    s = e4m3_saturating(gs * amax / amax.new_tensor(E2M1_MAX))  # true division on CUDA too
+    s = e4m3_saturating(gs * amax / amax.new_full((), E2M1_MAX))  # true division on CUDA too
     sf = s.float().unsqueeze(-1)
     v = (xb * gs / sf).clamp(-E2M1_MAX, E2M1_MAX)
     codes = torch.where(sf == 0, 0, e2m1_encode(v)).to(torch.uint8)

@@ -151,10 +151,13 @@ class TmaConfig:
         stage_w = self.rows * pitch
         stage = stage_w + (0 if self.x_resident else m_bucket * pitch)
         xres = m_bucket * xpitch if self.x_resident else 0
-        red = 2 * kw * self.rows * m_bucket * 4 if (kw > 1 or self.split_k > 1) else 0
+        tile = self.rows * m_bucket
+        red = 2 * kw * tile * 4 if kw > 1 else 0
+        inbox = self.split_k * -(-tile // self.split_k) * 4 if self.split_k > 1 else 0
         ring = self.stages * stage
         return {"pitch": pitch, "stage_w": stage_w, "stage": stage, "ring": ring, "xres": xres, "red": red,
-                "kgroups": kw, "chunks": chunks, "smem": ring + xres + red + (2 * self.stages + 1) * 8}
+                "inbox": inbox, "kgroups": kw, "chunks": chunks,
+                "smem": ring + xres + red + inbox + (2 * self.stages + 1) * 8}
 
     def smem_bytes(self, n: int, k: int, m_bucket: int) -> int:
         return self.layout(n, k, m_bucket)["smem"]

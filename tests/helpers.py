@@ -45,8 +45,8 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (NaN if any NaN in out)."""
-    out = out.double()
-    ref = ref.double()
+    out = out.double().cpu()
+    ref = ref.double().cpu()
     denom = ref.norm().item()
     num = (out - ref).norm().item()
     return num / denom if denom > 0 else num

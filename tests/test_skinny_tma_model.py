@@ -57,7 +57,7 @@ def emulate(cfg: fa.TmaConfig, x: np.ndarray, w: np.ndarray, mb: int, num_sms: i
     PITCH, XPITCH = lay["pitch"] // 2, (lay["xres"] // MB // 2 if cfg.x_resident else 0)  # in elements
     XRES = cfg.x_resident
     TILE = ROWS * MB
-    NEED_RED = KW > 1 or SPLIT > 1
+    PER = -(-TILE // SPLIT)
     mv = min(m, MB)
     out = np.full((m, n_), np.nan)
     gx, gy = cfg.grid(n_, num_sms)
@@ -69,7 +69,7 @@ def emulate(cfg: fa.TmaConfig, x: np.ndarray, w: np.ndarray, mb: int, num_sms: i
     def chunk_len(c):
         return min(CHUNK, k - c * CHUNK)
 
-    reds = {}  # (blockIdx.x, rank) -> red buffer 0 (split-K partial tile)
+    inboxes = {(bx, r): np.full(SPLIT * PER, np.nan) for bx in range(gx) for r in range(SPLIT)}  # DSMEM
     for bx in range(gx):
         for rank in range(SPLIT):
             tile0, step = bx, gx
@@ -132,6 +132,17 @@ def emulate(cfg: fa.TmaConfig, x: np.ndarray, w: np.ndarray, mb: int, num_sms: i
                     g += 1
                 # epilogue: D[row, col] of (wp, a, f) = weight row st*16+row, x row f*8+col
                 n_base = tile * ROWS
+
+                def emit(e, v):
+                    mm, r = e // ROWS, e % ROWS
+                    if mm >= mv or r >= rows:
+                        return
+                    if SPLIT == 1:
+                        out[mm, n_base + r] = v
+                    else:
+                        owner = e // PER
+                        inboxes[(bx, owner)][rank * PER + (e - owner * PER)] = v
+
                 buf = red[i & 1]
                 for wp in range(CW):
                     tg, kg = wp % TG, wp // TG
@@ -141,30 +152,30 @@ def emulate(cfg: fa.TmaConfig, x: np.ndarray, w: np.ndarray, mb: int, num_sms: i
                             d = acc[(wp, a, f)]
                             for row in range(16):
                                 for col in range(8):
-                                    r, mm = st * 16 + row, f * 8 + col
-                                    if not NEED_RED:
-                                        if mm < mv and r < rows:
-                                            out[mm, n_base + r] = d[row, col]
+                                    e = (f * 8 + col) * ROWS + st * 16 + row
+                                    if KW == 1:
+                                        emit(e, d[row, col])
                                     else:
-                                        buf[kg, mm * ROWS + r] = d[row, col]
-                if NEED_RED:
-                    v = buf[0].copy()
-                    for q in range(1, KW):
-                        v += buf[q]
-                    if SPLIT == 1:
-                        for e in range(TILE):
-                            mm, r = e // ROWS, e % ROWS
-                            if mm < mv and r < rows:
-                                out[mm, n_base + r] = v[e]
-                    else:
-                        reds[(bx, rank)] = (tile, rows, v)
-    if SPLIT > 1:
+                                        buf[kg, e] = d[row, col]
+                if KW > 1:
+                    for e in range(TILE):
+                        v = buf[0, e]
+                        for q in range(1, KW):
+                            v += buf[q, e]
+                        emit(e, v)
+    if SPLIT > 1:  # after the cluster barrier: each rank adds its PER elements over the ranks
         for bx in range(gx):
+            tile = bx
+            rows = tile_rows(tile)
             for rank in range(SPLIT):
-                tile, rows, _ = reds[(bx, rank)]
-                per = -(-TILE // SPLIT)
-                for e in range(rank * per, min((rank + 1) * per, TILE)):
-                    v = sum(reds[(bx, p)][2][e] for p in range(SPLIT))
+                inbox = inboxes[(bx, rank)]
+                for j in range(PER):
+                    e = rank * PER + j
+                    if e >= TILE:
+                        break
+                    v = inbox[j]
+                    for p in range(1, SPLIT):
+                        v += inbox[p * PER + j]
                     mm, r = e // ROWS, e % ROWS
                     if mm < mv and r < rows:
                         out[mm, tile * ROWS + r] = v
@@ -188,6 +199,7 @@ CASES = [
     (fa.TmaConfig(32, 3, 128, 4, 8, True), 32, 1152, 3, 132),  # resident x with split, 4 k-groups x 2
     (fa.TmaConfig(48, 1, 128, 3, 6), 96, 384, 1, 1),  # one CTA, 6 warps = 3 subtiles x 2 k-groups
     (fa.TmaConfig(16, 4, 192, 2, 4), 32, 768, 8, 132),  # 6 units over 4 k-groups (2, 2, 1, 1)
+    (fa.TmaConfig(64, 3, 128, 2, 4), 80, 640, 10, 132),  # split-K pushed straight from registers, partial tile
 ]
 
 
@@ -211,4 +223,5 @@ def test_layout_matches_kernel_formula():
     assert lay["pitch"] == pitch and pitch % 128 == 64
     assert lay["ring"] == 3 * (32 + 16) * pitch
     assert lay["red"] == 2 * 2 * 32 * 16 * 4  # two k-groups, double-buffered
-    assert lay["smem"] == lay["ring"] + lay["red"] + (2 * 3 + 1) * 8
+    assert lay["inbox"] == 2 * (32 * 16 // 2) * 4  # two ranks' halves of the tile
+    assert lay["smem"] == lay["ring"] + lay["red"] + lay["inbox"] + (2 * 3 + 1) * 8
