@@ -22,8 +22,9 @@ Stages (each guarded: a failure is printed and the rest still runs):
 4. ``compute-sanitizer --tool memcheck`` on small launches of two configs (a
    child process that allocates with the CUDA driver, not torch).
 
-Timing (benchmarks/timing.py): cold L2 (operand copies rotating, > 2x L2 in
-all), CUDA events, median; calls under 100 us as CUDA-graph replay.
+Timing (benchmarks/timing.py, quick settings): cold L2 (operand copies
+rotating, > 2x L2 in all), one CUDA graph per pass over the copies replayed
+between CUDA events, median per call.
 Activation scales are column-major (what cuBLAS and the TMA configs read).
 Prints a compact table at the end; details to ``$OUT/fp8_block_cutlass.json``.
 """

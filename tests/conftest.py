@@ -25,3 +25,24 @@ def _seed():
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     yield seed
+
+
+def pytest_collection_modifyitems(config, items):
+    """``SCALEDMM_TESTS=gpu`` keeps the tests that exercise a GPU (for short
+    device runs: the CPU tests run in CI): drops CPU-parametrized cases and the
+    CPU-only suites (Triton interpreter, NVRTC/nvcc compile checks, CLI smoke)."""
+    if os.environ.get("SCALEDMM_TESTS") != "gpu":
+        return
+    cpu_only_files = ("test_benchmarks.py", "test_jit.py", "test_skinny_tma_model.py")
+    keep, drop = [], []
+    for item in items:
+        nid = item.nodeid
+        params = nid[nid.find("["):] if "[" in nid else ""
+        cpu_param = any(t in params for t in ("[cpu", "-cpu", "cpu-", "cpu]"))
+        if cpu_param or nid.split("::")[0].endswith(cpu_only_files) or "interpreter" in nid:
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
