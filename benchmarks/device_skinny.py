@@ -402,7 +402,7 @@ def main() -> int:
         ok = True
         for (n, k, m, cfg), p in procs:
             try:
-                text, _ = p.communicate(timeout=90)
+                text, _ = p.communicate(timeout=45)
                 tail = " | ".join(text.strip().splitlines()[-2:])
                 log(f"child smoke {n}x{k} M={m} {cfg.short()}: rc {p.returncode}: {tail}")
                 ok &= p.returncode == 0
@@ -451,8 +451,12 @@ def main() -> int:
                 for cfg in search[(n, k, mb)]:
                     for m, strided in ((1, True), (mb, False)):
                         x = make_x(m, k, strided)
-                        _, good, rel = check(x, w, wd, cfg)
-                        _, goodp, relp = check(x, w, wd, fa.pdl_config(cfg, n, k, mb), True)
+                        try:
+                            _, good, rel = check(x, w, wd, cfg)
+                            _, goodp, relp = check(x, w, wd, fa.pdl_config(cfg, n, k, mb), True)
+                        except Exception as e:  # e.g. a failed build: drop the config
+                            good, rel, goodp, relp = False, float("nan"), False, float("nan")
+                            report["errors"].append(f"correctness {n}x{k} {cfg.short()}: {type(e).__name__}: {e}")
                         cases += 2
                         if not (good and goodp):
                             bad_cfgs.add((n, k, mb, cfg))

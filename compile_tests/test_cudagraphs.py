@@ -62,10 +62,11 @@ def assert_replay_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     if got.dtype in (FP8, torch.uint8):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
         return
-    # the same kernels on the same inputs; a split-K reduction may add in
-    # another order, so allow a few ulps (stale or unwritten outputs are far off)
+    # the same kernels on the same inputs, and every backend reduces in a fixed
+    # order: equal, up to one ulp in case a library picks another algorithm
+    # inside a capture (stale inputs or unwritten (NaN) outputs are far off)
     scale = want.float().abs().amax().item() if want.numel() else 0.0
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2 * scale + 1e-6)
+    torch.testing.assert_close(got, want, rtol=2.0 ** -7, atol=2.0 ** -8 * scale + 1e-6)
 
 
 def check_capture_replay(fn, make_inputs, trials: int = 3) -> None:
@@ -242,7 +243,7 @@ class SmallModel(torch.nn.Module):
         return self.nv(a)
 
 
-ALIGNED_AND_NOT = (4, 5, 8, 17, 1, 64, 3)
+ALIGNED_AND_NOT = (4, 5, 1, 17, 64)
 
 
 def _check_close(got, want):
@@ -258,13 +259,15 @@ def _check_close(got, want):
 @pytest.mark.parametrize("with_pass", [True, False])
 def test_reduce_overhead_records_cuda_graphs(with_pass):
     from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
 
     model = SmallModel()
-    options = {"post_grad_custom_post_pass": sc.passes()} if with_pass else {}
+    p = sc.passes()
+    options = {"post_grad_custom_post_pass": p} if with_pass else {}
     torch._dynamo.reset()
     counters.clear()
     cm = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=True, options=options)
-    with torch.no_grad(), one_graph_for_all_m():
+    with torch.no_grad(), one_graph_for_all_m(), fresh_cache():  # a cache hit would skip the pass
         for m in ALIGNED_AND_NOT:
             for _ in range(3):  # warm-up run, recording run, replay
                 x = torch.randn(m, K, dtype=BF16, device="cuda")
@@ -273,8 +276,11 @@ def test_reduce_overhead_records_cuda_graphs(with_pass):
                 _check_close(got, model(x))
     skips = counters["inductor"]["cudagraph_skips"]
     if with_pass:
+        assert p.stats["size_conds"] == 2 and p.stats["quant_gemm"] == 1, p.stats
         assert skips == 0, "Inductor skipped CUDA graphs with scaledmm.compile.passes()"
-        mgr = torch._inductor.cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        from torch._inductor import cudagraph_trees
+
+        mgr = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
         assert mgr is not None
         roots = getattr(mgr, "roots", None)
         if roots is not None:  # one recorded graph per distinct M

@@ -65,6 +65,33 @@ def test_layer_dynamic(device, name):
     assert ours == LAYER_OPS[name]
 
 
+def test_any_m_one_graph_per_layer():
+    """Hypothesis draws (layer, M); each layer is compiled once, on its first
+    M, and every later M runs the same graph and equals eager."""
+    from hypothesis import given, settings, strategies as st
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    names = ["fp8_block_kpad", "fp8_channel_token", "fp8_static", "nvfp4_static", "skinny_bias", "skinny_fallback"]
+    compiled = {}
+
+    @settings(max_examples=30, deadline=None, derandomize=False)
+    @given(name=st.sampled_from(names), m=st.integers(0, 300))
+    def check(name, m):
+        if name not in compiled:
+            layer = LAYERS[name]("cpu")
+            cnt = CompileCounterWithBackend("aot_eager")
+            compiled[name] = (layer, cnt, torch.compile(layer, backend=cnt, fullgraph=True, dynamic=True))
+        layer, cnt, cfn = compiled[name]
+        x = act(m, layer.in_features, "cpu")
+        with one_graph_for_all_m():
+            got = cfn(x)
+        torch.testing.assert_close(got, layer(x), rtol=0, atol=0)
+        assert cnt.frame_count == 1, (name, m)
+
+    check()
+
+
 @pytest.mark.parametrize("name", ["fp8_block_kpad", "fp8_tensor", "nvfp4_dynamic", "skinny_bias"])
 def test_layer_dynamic_leading_dims(name):
     """[B, T, K] inputs: the leading dims flatten into M without a recompile.

@@ -257,7 +257,9 @@ __device__ __forceinline__ int tile_rows(int tile) {
   return FULL_ROWS ? ROWS : (N - tile * ROWS < ROWS ? N - tile * ROWS : ROWS);
 }
 
-__device__ __forceinline__ int chunk_len(int c) { return FULL_CHUNKS ? CHUNK : (K - c * CHUNK < CHUNK ? K - c * CHUNK : CHUNK); }
+__device__ __forceinline__ int chunk_len(int c) {
+  return FULL_CHUNKS ? CHUNK : (K - c * CHUNK < CHUNK ? K - c * CHUNK : CHUNK);
+}
 
 }  // namespace fat
 

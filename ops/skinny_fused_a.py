@@ -413,9 +413,10 @@ def candidate_configs(n: int, k: int, m_bucket: int, limit: int = 24, num_sms: i
     The tuned config, the default and version 1's best come first; then, for
     the six cheapest tile shapes of the cost model (:func:`_tile_shapes`),
     rings filling ``SMEM_TWO_PER_SM`` and 200 KiB with 256-wide chunks, each
-    split rank's whole K range in two stages, 512-wide chunks, 128-wide chunks, a two-CTAs-per-SM persistent grid where there are enough
-    tiles, and 64 KiB rings: breadth first, so a short list still spans the
-    tile shapes and ring depths.
+    split rank's whole K range in two stages, 512-wide chunks, 128-wide
+    chunks, a two-CTAs-per-SM persistent grid where there are enough tiles,
+    and 64 KiB rings: breadth first, so a short list still spans the tile
+    shapes and ring depths.
     """
     seen: dict[Config, None] = {}
     first = [TUNING.get((n, k), {}).get(m_bucket), default_config(n, k, m_bucket, num_sms),

@@ -268,6 +268,22 @@ def test_shipped_configs_valid():
         fa.kernel_spec(2112, 7168, 16, bad)
 
 
+def test_gpu_test_configs_valid():
+    """The configs the GPU tests launch are valid for their shapes (caught here, without a GPU)."""
+    for cfg in (PARTIAL_CFG, PARTIAL_V1, fa.TmaConfig(16, 8, 128, 3, 2), fa.TmaConfig(48, 2, 192, 2, 3, True),
+                fa.RegConfig(16, 2, 8, 1, False), fa.RegConfig(64, 4, 2, 1, True)):
+        for mb in fa.M_BUCKETS:
+            assert fa.config_valid(cfg, 48, 1152, mb) == (True, "ok"), cfg
+    for cfg in (fa.TmaConfig(16, 1, 256, 3, 4, True), fa.TmaConfig(48, 1, 128, 4, 6),
+                fa.TmaConfig(64, 1, 256, 2, 2, False, 2)):
+        for mb in fa.M_BUCKETS:
+            assert fa.config_valid(cfg, 16 * 132 * 4, 512, mb) == (True, "ok"), cfg
+    for n, k in ((2048, 7168), (512, 2048), (48, 384), (4096, 1024)):
+        for mb in fa.M_BUCKETS:
+            for pdl in (False, True):
+                assert fa.config_valid(fa.choose_config(n, k, mb, pdl), n, k, mb)[0]
+
+
 def test_pdl_config_keeps_the_summation_order():
     """A PDL launch only gets a shallower ring (same tiles, chunks, warps: the
     same bits), small enough for two CTAs per SM when two stages allow it."""
@@ -408,6 +424,35 @@ def test_gpu_persistent_tiles(cfg):
         out = poison_(torch.empty(m, n, dtype=BF16, device="cuda"))
         fa.launch(x, w, out, m == 8, cfg)
         assert_close_to_f64(out, x, w)
+
+
+@requires_cuda
+@requires_fused_a
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_pdl_chain_reads_the_previous_output(graph):
+    """A PDL launch starts early (its producer streams the weight before
+    griddepcontrol.wait) but must read x only after the previous kernel, which
+    writes that x, has finished."""
+    w1, w2 = _w(2048, 7168, "cuda"), _w(512, 2048, "cuda")
+    x = _x(9, 7168, "cuda")
+
+    def chain():
+        h = OP(x, w1, True)
+        return h, OP(h, w2, True)
+
+    h, y = chain()
+    if graph:
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            h, y = chain()
+        x.copy_(torch.randn_like(x, dtype=torch.float32).to(BF16))
+        h.fill_(float("nan"))
+        y.fill_(float("nan"))
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(h, OP(x, w1, False))
+    assert torch.equal(y, OP(h, w2, False))
 
 
 @requires_cuda

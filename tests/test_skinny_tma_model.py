@@ -114,7 +114,8 @@ def emulate(cfg: fa.TmaConfig, x: np.ndarray, w: np.ndarray, mb: int, num_sms: i
                             for f in range(MB // 8):
                                 if XRES:
                                     base = j * CHUNK + u * 32 + t4 * 8
-                                    xf.append(np.stack([xres[f * 8 + g8[ln_], base[ln_]:base[ln_] + 8] for ln_ in lanes]))
+                                    xf.append(np.stack([xres[f * 8 + g8[ln_], base[ln_]:base[ln_] + 8]
+                                                        for ln_ in lanes]))
                                 else:
                                     base = u * 32 + t4 * 8
                                     xf.append(np.stack([ring[s, ROWS + f * 8 + g8[ln_], base[ln_]:base[ln_] + 8]

@@ -16,7 +16,8 @@ import sys
 import time
 from typing import Sequence
 
-from .core import _PREBUILD, ENV_NO_BUILD, JitError, _nvcc_version, cache_dir, cached_entries, nvcc_path, nvrtc_available
+from .core import (_PREBUILD, ENV_NO_BUILD, JitError, _nvcc_version, cache_dir, cached_entries, nvcc_path,
+                   nvrtc_available)
 
 
 def _cmd_status(args) -> int:
