@@ -351,7 +351,8 @@ def _linear_impl(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16
 
 def composite_linear(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None):
     """fp8_block_linear as two ops (quantize, then GEMM in fp32 + bias)."""
-    q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, block_size[1])
+    # column-major scales: what cuBLASLt and CUTLASS read (Triton reads both)
+    q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, block_size[1], 1e-10, True)
     if bias is None:
         return torch.ops.scaledmm.fp8_block_mm(q, b, s, b_scales, block_size, out_dtype)
     out = torch.ops.scaledmm.fp8_block_mm(q, b, s, b_scales, block_size, torch.float32)
