@@ -79,18 +79,19 @@ def stage(name):
 
 def candidates(bucket: int, quick: bool):
     """``(op, GemmConfig, split policy)`` tried in an M bucket; policy "auto" is
-    the default split-K heuristic, "x2" twice that, "none" no split."""
+    the default split-K heuristic, "x2" twice that, "half" half of it."""
     from scaledmm.ops.nvfp4_triton import GemmConfig as G
 
     if bucket == 0:
-        base = [G(64, 16, 256, num_warps=4, num_stages=4), G(128, 16, 128, num_warps=4, num_stages=4),
-                G(128, 16, 256, num_warps=8, num_stages=3), G(32, 16, 512, num_warps=4, num_stages=4)]
+        base = [G(64, 16, 128, num_warps=4, num_stages=4), G(64, 16, 256, num_warps=4, num_stages=4),
+                G(128, 16, 128, num_warps=8, num_stages=3), G(64, 16, 128, num_warps=4, num_stages=3)]
     elif bucket == 2:
         base = [G(128, 128, 64, num_warps=8, num_stages=3), G(64, 64, 128, num_warps=4, num_stages=4),
                 G(128, 64, 128, num_warps=4, num_stages=4)]
     else:
         base = [G(128, 256, 64, num_warps=8, num_stages=3), G(128, 128, 64, num_warps=8, num_stages=4),
                 G(256, 128, 64, num_warps=8, num_stages=3)]
+    prew = G(128, 256, 64, predecode_w=True)
     if quick:
         base = base[:2]
     out = []
@@ -101,11 +102,17 @@ def candidates(bucket: int, quick: bool):
             out.append(("w4a16", dataclasses.replace(cfg, decode="ptx_direct"), "auto"))
             if bucket == 0:
                 out.append(("mm", cfg, "x2"))
-                out.append(("mm", cfg, "none"))
+                out.append(("mm", cfg, "half"))
+                out.append(("w4a16", cfg, "x2"))
                 if not quick:
                     out.append(("w4a16", dataclasses.replace(cfg, decode="triton"), "auto"))
             if bucket == 3:
                 out.append(("mm", dataclasses.replace(cfg, predecode_x=True), "auto"))
+            if bucket >= 2:  # the kernel itself (the bucket-3 default is predecode_w)
+                out.append(("mm", cfg, "auto"))
+                out.append(("w4a16", cfg, "auto"))
+                out.append(("mm", prew, "auto"))
+                out.append(("w4a16", prew, "auto"))
     return out
 
 
@@ -114,7 +121,7 @@ def with_split(cfg, policy: str, m: int, n: int, k: int):
     import torch
 
     auto = nt._split_for(cfg, m, n, k, torch.device(DEV))
-    split = {"auto": auto, "x2": min(2 * auto, 8), "none": 1}[policy]
+    split = {"auto": auto, "x2": min(2 * auto, 16), "half": max(auto // 2, 1), "none": 1}[policy]
     return dataclasses.replace(cfg, split_k=max(1, min(split, math.ceil(k / cfg.block_k))))
 
 
@@ -189,7 +196,8 @@ def _compile_worker(jobs):
             elif op == "w4a16_fp16":
                 nt.run_w4a16(x.half(), b, sb, one, out, None, cfg)
             elif op == "quant":
-                nt.quant(x, one, cfg)
+                for qc in nt.QUANT_CANDIDATES:
+                    nt.quant(x, one, cfg, qc)
             done += 1
         except Exception as e:  # reported again (with context) by the timing process
             print(f"compile {op} {getattr(cfg, 'label', lambda: cfg)()}: {type(e).__name__}: {e}"[:300], flush=True)
@@ -260,7 +268,7 @@ def environment(res):
         props = torch.cuda.get_device_properties(0)
         res["env"].update(device=props.name, sms=props.multi_processor_count)
     log(str(res["env"]))
-    n = 1 << (28 if DEV == "cuda" else 16)  # 512 MiB of bf16 per side
+    n = 1 << (29 if DEV == "cuda" else 16)  # 1 GiB of bf16 per side (smaller buffers under-read HBM)
     src = torch.empty(n, dtype=torch.bfloat16, device=DEV).normal_()
     dst = torch.empty_like(src)
     us = time_calls([lambda: dst.copy_(src)], min_reps=5)
@@ -368,15 +376,15 @@ def quant_bandwidth(res):
         xs = [(torch.randn(m, k, device=DEV) * 2).to(torch.bfloat16) for _ in range(c)]
         gs = torch.tensor(300.0, device=DEV)
         moved = m * k * 2 + m * k // 2 + m * k // 16
+        ceiling = res.get("copy_GBps") or float("nan")
         for swz in (True, False):
-            us = time_calls([lambda x=x: nt.quant(x, gs, swz) for x in xs])
-            dsts = [torch.empty_like(x) for x in xs]
-            cus = time_calls([lambda x=x, d=d: d.copy_(x) for x, d in zip(xs, dsts)])
-            row = dict(m=m, k=k, swizzle=swz, us=us, GBps=moved / us / 1e3, copy_us=cus,
-                       frac_of_copy=(moved / us) / (2 * m * k * 2 / cus))
-            rows.append(row)
-            log(f"quant M={m} K={k} swizzle={swz}: {us:.1f} us, {row['GBps']:.0f} GB/s, "
-                f"{100 * row['frac_of_copy']:.0f}% of copy bandwidth")
+            for qc in nt.QUANT_CANDIDATES if swz else (nt.DEFAULT_QUANT,):
+                us = time_calls([lambda x=x, qc=qc: nt.quant(x, gs, swz, qc) for x in xs])
+                row = dict(m=m, k=k, swizzle=swz, cfg=qc.label(), default=qc == nt.DEFAULT_QUANT, us=us,
+                           GBps=moved / us / 1e3, frac_of_copy=(moved / us / 1e3) / ceiling)
+                rows.append(row)
+                log(f"quant M={m} K={k} swizzle={swz} {qc.label()}{' (default)' if row['default'] else ''}: "
+                    f"{us:.1f} us, {row['GBps']:.0f} GB/s, {100 * row['frac_of_copy']:.0f}% of the 1 GiB copy")
     res["quant"] = rows
 
 
@@ -467,7 +475,8 @@ def print_table(res):
         print(f"{e['n']:>6}x{e['k']:<5} {e['m']:>5} {e['bf16_us']:8.1f} | {cols[0]} | {cols[1]} "
               f"{max(errs) if errs else float('nan'):8.1e}" + (f"  ({len(fails)} failed)" if fails else ""))
     for q in res.get("quant", []):
-        print(f"quant M={q['m']} K={q['k']} swizzle={q['swizzle']}: {q['us']:.1f} us, {q['GBps']:.0f} GB/s = "
+        print(f"quant M={q['m']} K={q['k']} swizzle={q['swizzle']} {q.get('cfg', '')}"
+              f"{'*' if q.get('default') else ''}: {q['us']:.1f} us, {q['GBps']:.0f} GB/s = "
               f"{100 * q['frac_of_copy']:.0f}% of copy ({res.get('copy_GBps', float('nan')):.0f} GB/s)")
     bad = [c for c in res.get("checks", []) if not c["ok"]]
     print(f"correctness: {len(res.get('checks', [])) - len(bad)}/{len(res.get('checks', []))} checks pass"
@@ -483,7 +492,9 @@ def main():
     args = ap.parse_args()
     import torch
 
-    global DEV, SHAPES, TABLE_M, QUANT_SHAPES, CHECK_NK, ROTATE_BYTES
+    global DEV, SHAPES, TABLE_M, QUANT_SHAPES, CHECK_NK, ROTATE_BYTES, DEADLINE_S
+    if args.quick:
+        DEADLINE_S = 60.0  # --quick must finish in < 90 s
     if args.smoke:
         os.environ["SCALEDMM_NVFP4_TRITON_DECODE"] = "triton"
         DEV, SHAPES, TABLE_M, QUANT_SHAPES = "cpu", [(40, 256)], (1, 17, 300), ((20, 128),)

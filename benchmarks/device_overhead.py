@@ -12,7 +12,8 @@ forward) on tiny tensors it measures
 * ``bare``: the same for the backend implementations the entry ends up
   running, called directly with the same arguments (found by recording, during
   one call of the entry, each ``backends.select(...).impls[op](*args)`` call
-  that is not nested in another);
+  that is not nested in another), below the autograd dispatch keys as the
+  dispatcher runs them;
 * ``overhead = entry - bare``: the dispatcher, validation, ``Problem``
   building, backend selection, and (for entries above the ops) the Python and
   torch work between the ops.
@@ -105,22 +106,29 @@ def bare_of(entry: Callable) -> tuple[Callable, list[str]]:
         raise RuntimeError("entry made no backend call")
 
     def bare():
-        for impl, args in calls:
-            impl(*args)
+        # the dispatcher runs an op's kernel below the autograd keys; so do we
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            for impl, args in calls:
+                impl(*args)
 
     names = [getattr(impl, "__qualname__", str(impl)) for impl, _ in calls]
     return bare, names
 
 
-def per_call_ns(*fns: Callable, calls: int, cuda: bool) -> list[float]:
+def per_call_ns(*fns: Callable, calls: int, cuda: bool, budget_s: float = 1.0) -> list[float]:
     """Median host time of one call of each of ``fns``, in ns.  The functions
     are called in turn (a, b, a, b, ...) so that drifts of the machine (other
-    processes, clocks) hit all of them alike."""
-    for _ in range(min(50, calls)):
+    processes, clocks) hit all of them alike.  At most ``calls`` rounds, fewer
+    (at least 50) when a round is slow enough that they would take more than
+    ``budget_s`` (the CPU reference backends)."""
+    t0 = time.perf_counter()
+    for _ in range(20):
         for fn in fns:
             fn()
     if cuda:
         torch.cuda.synchronize()
+    per_round = (time.perf_counter() - t0) / 20
+    calls = max(50, min(calls, int(budget_s / max(per_round, 1e-9))))
     samples: list[list[int]] = [[] for _ in fns]
     for i in range(calls):
         for fn, out in zip(fns, samples):
@@ -222,9 +230,12 @@ def profile_fp8_block_mm(device: torch.device, calls: int, top: int) -> str:
     for _ in range(50):
         ops.fp8_block_mm(q, w, s, ws, bs, BF16)
     prof = cProfile.Profile()
+    deadline = time.perf_counter() + 5.0  # the CPU reference is slow: at most ~5 s
     prof.enable()
     for _ in range(calls):
         ops.fp8_block_mm(q, w, s, ws, bs, BF16)
+        if time.perf_counter() > deadline:
+            break
     prof.disable()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -239,6 +250,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--calls", type=int, default=2000, help="timed calls per entry (median)")
+    p.add_argument("--budget-s", type=float, default=1.0, help="time limit of one entry's timed calls")
     p.add_argument("--profile-calls", type=int, default=3000)
     p.add_argument("--top", type=int, default=15, help="cProfile rows")
     args = p.parse_args(argv)
@@ -253,7 +265,7 @@ def main(argv=None) -> int:
     rows = []
     with torch.inference_mode():
         for name, fn in torch_floor(device):
-            (t,) = per_call_ns(fn, calls=args.calls, cuda=cuda)
+            (t,) = per_call_ns(fn, calls=args.calls, cuda=cuda, budget_s=args.budget_s)
             rows.append({"entry": name, "entry_us": t / 1e3, "bare_us": None, "backends": []})
         for name, entry, bare in entries(device):
             try:
@@ -263,7 +275,7 @@ def main(argv=None) -> int:
                     impls = [getattr(bare, "__qualname__", "python")]
                 with backends.record() as chosen:
                     entry()
-                e_ns, b_ns = per_call_ns(entry, bare, calls=args.calls, cuda=cuda)
+                e_ns, b_ns = per_call_ns(entry, bare, calls=args.calls, cuda=cuda, budget_s=args.budget_s)
                 rows.append({"entry": name, "entry_us": e_ns / 1e3, "bare_us": b_ns / 1e3,
                              "backends": sorted({f"{op}:{b}" for op, b, _ in chosen}), "impls": impls})
             except Exception as e:  # noqa: BLE001 - one broken entry must not hide the others
@@ -271,7 +283,7 @@ def main(argv=None) -> int:
                 rows.append({"entry": name, "error": f"{type(e).__name__}: {e}"})
         profile = profile_fp8_block_mm(device, args.profile_calls, args.top)
     print("\ncProfile of torch.ops.scaledmm.fp8_block_mm "
-          f"({args.profile_calls} calls, M={M}; top {args.top} by tottime, then by cumulative):")
+          f"(up to {args.profile_calls} calls, M={M}; top {args.top} by tottime, then by cumulative):")
     print(profile)
 
     print(f"{'entry':<42} {'entry us':>9} {'bare us':>9} {'overhead us':>12}  backends")

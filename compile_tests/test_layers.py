@@ -6,7 +6,7 @@ Inductor with and without scaledmm.compile.passes()."""
 import pytest
 import torch
 
-import scaledmm
+import scaledmm  # noqa: F401  (registers the ops)
 import scaledmm.compile as sc
 from harness import DEVICES, check_dynamic, graph_targets, inductor_code, one_graph_for_all_m
 from helpers import rel_err

@@ -55,7 +55,10 @@ __all__ = [
 NAME = "triton"
 BLOCK_K = 128  # one K step == one scale block
 M_BUCKETS = (16, 64, 128, 512)  # bucket i holds M <= M_BUCKETS[i]; the last holds the rest
-FUSE_QUANT_MAX_M = 64  # fp8_block_linear quantizes inside the GEMM up to this M (see NOTES.md)
+# fp8_block_linear quantizes inside the GEMM only up to this M.  0: never by
+# default (H200 run 2: fused 21-47 us where quant + GEMM took ~3 + 10-16 us;
+# see NOTES.md "Run 2"); ``linear(..., fuse=True)`` still selects it.
+FUSE_QUANT_MAX_M = 0
 
 # Triton picks interpreter or compiler when a kernel is decorated, i.e. when
 # this module is imported: remember which one these kernels got.
@@ -265,17 +268,69 @@ _BUCKET_BASE = {
             MMConfig(64, 128, num_warps=4, num_stages=3),
             MMConfig(64, 128, num_warps=4, num_stages=3)),
 }
-_TUNED: dict[tuple[int, int, int, bool], MMConfig] = {}
+_TUNED: dict[tuple[int, int, int, bool], MMConfig] = {}  # filled below (H200 run 2)
+
+
+def _tuned(bucket: int, n: int, k: int, bm: int, bn: int, split: int = 1, swap: bool = False, warps: int = 4,
+           stages: int = 4, tma: bool = False, persistent: bool = False, ws: bool = False) -> None:
+    _TUNED[(bucket, n, k, False)] = MMConfig(bm, bn, split_k=split, swap_ab=swap, num_warps=warps,
+                                             num_stages=stages, tma=tma, persistent=persistent,
+                                             warp_specialize=ws)
+
+
+# H200, run 2 (benchmarks/device_results/run2_fp8_block_triton.log): the
+# configs that beat the bucket default there, taken only where both numbers
+# were real device time (not the ~105-170 us host-bound event timings, see
+# NOTES.md), plus three chosen by the weight-stream count where the only
+# trustworthy number was a k1 config with too few streams (marked "reasoned").
+# bucket: 0 M<=16, 1 M<=64, 2 M<=128, 3 M<=512, 4 larger.
+_tuned(1, 2112, 7168, 64, 64, 8, stages=4)                  # 11.0 us vs 12.4
+_tuned(2, 2112, 7168, 64, 64, 4, True, stages=5)            # 15.6 vs 17.5
+_tuned(3, 2112, 7168, 128, 128, warps=8, tma=True)          # 32.7 vs 39.9
+_tuned(1, 4096, 7168, 64, 64, 5, stages=4)                  # 15.5 vs 22.5
+_tuned(2, 4096, 7168, 64, 128, 5, stages=4)                # 23.9 (the run-2 default; k9 untimed)
+_tuned(3, 4096, 7168, 128, 128, warps=8, tma=True)          # 36.5 vs 56.9
+_tuned(0, 7168, 16384, 16, 64, 3, stages=6)                 # 40.6 (cuBLAS 41.2)
+_tuned(1, 7168, 16384, 32, 64, 3, True, stages=6)           # reasoned: k1 81 us = 112 streams
+_tuned(2, 7168, 16384, 64, 64, 3, True, stages=5)           # reasoned: k1 85 us = 112 streams
+_tuned(3, 7168, 16384, 128, 128, warps=8, tma=True)         # 153.9 vs 168.3
+_tuned(4, 7168, 16384, 128, 128, warps=8, stages=3)         # 1203 vs 1231
+_tuned(0, 7168, 2048, 16, 64, 1, True, stages=4)            # 8.3 / 9.5 / 12.4 (split 3 adds a reduce)
+_tuned(1, 7168, 2048, 32, 64, 1, True, stages=6)            # 11.5
+_tuned(2, 7168, 2048, 64, 64, 1, True, stages=5)            # 12.7
+_tuned(3, 7168, 2048, 64, 128, stages=4)                    # 23.0 vs 25.2
+_tuned(1, 24576, 1536, 32, 64, 1, True, stages=6)           # 21.0
+_tuned(2, 24576, 1536, 128, 128, warps=8)                   # 24.4
+_tuned(4, 24576, 1536, 128, 128, warps=8, tma=True, persistent=True, ws=True)  # 444.6 vs 489.3
+_tuned(0, 32768, 512, 16, 128, 1, True, stages=6)           # 8.5 vs 9.9 (256 programs, one wave)
+_tuned(1, 32768, 512, 64, 128, stages=4)                    # reasoned: as 128x128 at M=128 (12.4)
+_tuned(2, 32768, 512, 128, 128, warps=8)                    # 12.4
+_tuned(3, 32768, 512, 64, 128, stages=4)                    # 38.2 vs 41.4
+_tuned(4, 32768, 512, 128, 128, warps=8, tma=True, persistent=True, ws=True)   # 243.3 vs 308.2
+_tuned(4, 576, 7168, 128, 128, warps=8, stages=3)           # 72.9 (TMA: ~150)
 _AUTOTUNED: dict[tuple, MMConfig] = {}
 _WARMED: list = []  # kernels compiled by precompile(), loaded when it ends
 
 
 def _split_for(m: int, n: int, k: int, bm: int, bn: int, num_sms: int) -> int:
-    """About two resident programs per SM, at least 4 K blocks each."""
-    tiles = V.ceil_div(max(m, 1), bm) * V.ceil_div(n, bn)
-    if tiles >= num_sms:
+    """Split-K so the weight is streamed by about two programs per SM, each
+    with at least 4 K blocks.
+
+    While M is small (<= 256) the programs of one N-tile all read the same
+    weight rows (L2 hits), so what spreads the HBM stream is N-tiles x splits,
+    not the tile count: 7168x16384 at M = 64 with 32x64 tiles has 224 tiles
+    but only 112 weight streams of 1 MB each (measured 81 us, floor 28).
+
+    Examples
+    --------
+    >>> _split_for(64, 7168, 16384, 32, 64, 132), _split_for(1, 2112, 7168, 16, 64, 132)
+    (3, 8)
+    """
+    n_tiles = V.ceil_div(n, bn)
+    streams = n_tiles if m <= 256 else V.ceil_div(max(m, 1), bm) * n_tiles
+    if streams >= num_sms:
         return 1
-    return max(1, min(V.ceil_div(2 * num_sms, tiles), V.ceil_div(k, BLOCK_K) // 4, 16))
+    return max(1, min(V.ceil_div(2 * num_sms, streams), V.ceil_div(k, BLOCK_K) // 4, 16))
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132, fused: bool = False,
@@ -650,7 +705,14 @@ def _pick_config(a, b, m, n, k, fused: bool, out_dtype) -> MMConfig:
             cfg = _AUTOTUNED[key] = autotune(m, n, k, a.device, fused, out_dtype)
         if cfg is not None:
             return cfg
-    return default_config(m, n, k, num_sms, fused, _capability(a.device) >= (9, 0) or a.device.type == "cpu")
+    return _default_cached(m, n, k, num_sms, fused, _capability(a.device) >= (9, 0) or a.device.type == "cpu")
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_cached(m: int, n: int, k: int, num_sms: int, fused: bool, sm90: bool) -> MMConfig:
+    """:func:`default_config` once per size (host time per eager call); call
+    ``_default_cached.cache_clear()`` after editing ``_TUNED``."""
+    return default_config(m, n, k, num_sms, fused, sm90)
 
 
 def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, quant_a: bool,

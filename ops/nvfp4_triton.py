@@ -209,8 +209,35 @@ def _quant_kernel(x_ptr, gs_ptr, q_ptr, s_ptr, M, K, stride_xm, s_rows, s_cols, 
     tl.store(s_ptr + s_off.to(tl.int64), s_code.to(tl.uint8), mask=(r2 < s_rows) & (g2 < s_cols))
 
 
-QUANT_BLOCK_M = 32
-QUANT_BLOCK_G = 8
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """Tile of one quantizer program: ``block_m`` rows x ``block_g`` blocks of 16."""
+
+    block_m: int = 32
+    block_g: int = 8
+    num_warps: int = 4
+
+    def label(self) -> str:
+        return f"q{self.block_m}x{self.block_g}w{self.num_warps}"
+
+
+def quant_config_ok(cfg: QuantConfig) -> tuple[bool, str]:
+    """The one validity predicate of the quantizer configs."""
+    if not all(v > 0 and v & (v - 1) == 0 for v in (cfg.block_m, cfg.block_g, cfg.num_warps)):
+        return False, "block_m, block_g and num_warps must be powers of two"
+    if cfg.block_m < 4 or cfg.block_g < 4 or cfg.block_m * cfg.block_g * 16 > 32768:
+        return False, "needs block_m, block_g >= 4 and <= 32768 elements per program"
+    return True, "ok"
+
+
+# 32 rows x 8 blocks, 4 warps: 32 elements (64 B of bf16) per thread, 92
+# registers.  The first H200 run gave 29% of copy bandwidth: the kernel is
+# issue bound (~26 SASS instructions per element, ~23 us of issue at M=4096,
+# K=7168 before stalls); 64x8 with 4 warps needs 230 registers (worse).  The
+# benchmark sweeps QUANT_CANDIDATES; the real fix is fewer instructions.
+DEFAULT_QUANT = QuantConfig(32, 8, 4)
+QUANT_CANDIDATES = (QuantConfig(32, 8, 4), QuantConfig(64, 8, 8), QuantConfig(16, 8, 2),
+                    QuantConfig(32, 4, 4))
 
 
 def _hw_e4m3(device: torch.device) -> bool:
@@ -219,8 +246,8 @@ def _hw_e4m3(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def quant(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool = True
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def quant(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool = True,
+          cfg: QuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``nvfp4_quant`` in one Triton launch (also writes the layout's pad zeros).
 
     Examples
@@ -237,11 +264,12 @@ def quant(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool = True
     s_rows, s_cols = s.shape
     if s_rows == 0:
         return q, s
-    grid = (triton.cdiv(s_rows, QUANT_BLOCK_M), triton.cdiv(s_cols, QUANT_BLOCK_G))
+    cfg = cfg or DEFAULT_QUANT
+    grid = (triton.cdiv(s_rows, cfg.block_m), triton.cdiv(s_cols, cfg.block_g))
     _quant_kernel[grid](x, global_scale, q, s.view(torch.uint8), m, k, x.stride(0),
                         s_rows, s_cols, s_cols // 4, SWIZZLE=bool(swizzle),
                         HW_E4M3=_hw_e4m3(x.device),
-                        BLOCK_M=QUANT_BLOCK_M, BLOCK_G=QUANT_BLOCK_G, num_warps=4)
+                        BLOCK_M=cfg.block_m, BLOCK_G=cfg.block_g, num_warps=cfg.num_warps)
     return q, s
 
 
@@ -448,6 +476,13 @@ class GemmConfig:
     predecode_x : bool
         W4A4 only: decode the activation to fp16 once (its own launch), then
         run the W4A16 kernel; pays off when many weight tiles reuse it.
+    predecode_w : bool
+        Large M: a transient 16-bit copy of ``alpha * deq(b)`` (one Triton
+        pass over the weight, freed after the call; ``deq(a)`` too for W4A4,
+        exact) fed to cuBLAS ``F.linear``.  The weight stays FP4 in memory.
+        One extra rounding (the scaled weight to 16 bits, as a bf16 layer
+        holds its weight), so only for 16-bit outputs; the tile fields are
+        unused.
     """
 
     block_n: int
@@ -459,10 +494,12 @@ class GemmConfig:
     group_n: int = 8
     decode: str = "ptx"
     predecode_x: bool = False
+    predecode_w: bool = False
 
     def label(self) -> str:
         flags = {"ptx": "ptx", "ptx_direct": "ptxd", "triton": "tt"}.get(self.decode, self.decode)
         flags += "+pre" if self.predecode_x else ""
+        flags += "+prew" if self.predecode_w else ""
         return (f"n{self.block_n}m{self.block_m}k{self.block_k}s{self.split_k}"
                 f"w{self.num_warps}st{self.num_stages}{flags}")
 
@@ -510,6 +547,10 @@ def config_ok(cfg: GemmConfig, p: Problem, device: torch.device | None = None) -
         return False, "num_stages and group_n must be >= 1"
     if cfg.predecode_x and w4a16:
         return False, "predecode_x applies to W4A4 only"
+    if cfg.predecode_w and cfg.predecode_x:
+        return False, "predecode_w and predecode_x exclude each other"
+    if cfg.predecode_w and p.out_dtype not in (torch.bfloat16, torch.float16):
+        return False, f"predecode_w writes bf16/fp16 only (one extra rounding), got {p.out_dtype}"
     if cfg.decode not in DECODERS:
         return False, f"decode must be one of {DECODERS}, got {cfg.decode!r}"
     if cfg.decode != "triton" and dev.type != "cuda":
@@ -525,13 +566,28 @@ def m_bucket(m: int) -> int:
 
 
 # Fixed defaults per M bucket (no autotuning inside CUDA-graph capture).
-# Small M streams the weight: small block_m, long K steps, deep pipeline.
+# Small M streams the weight and is bound by issue latency, not bytes: the
+# first H200 run had one 4-warp CTA per SM (154 registers at block_k=256), so
+# every dependent instruction waited.  block_k=128 needs 91 registers (sm90
+# SASS): 4-5 CTAs per SM, and split-K (below) makes enough of them.  Large M:
+# decode+MMA serialize in the Triton kernel (0.5x bf16 measured).  The
+# transient 16-bit weight + cuBLAS path (predecode_w) may win there, but it
+# allocates a 16-bit copy of the weight per call and adds a rounding (not the
+# exact W4A4 numerics), so it stays opt-in (SCALEDMM_NVFP4_PREDECODE_W=1) until
+# a measurement shows it wins.  See benchmarks/NOTES.md.
 DEFAULT_CONFIGS: dict[int, GemmConfig] = {
-    0: GemmConfig(block_n=64, block_m=16, block_k=256, num_warps=4, num_stages=4),
+    0: GemmConfig(block_n=64, block_m=16, block_k=128, num_warps=4, num_stages=4),
     1: GemmConfig(block_n=64, block_m=64, block_k=128, num_warps=4, num_stages=4),
     2: GemmConfig(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=3),
-    3: GemmConfig(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=3),
+    3: GemmConfig(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=3,
+                  predecode_w=os.environ.get("SCALEDMM_NVFP4_PREDECODE_W") == "1"),
 }
+
+# Split-K fills this many CTAs per SM (small output grids), keeping at least
+# MIN_STEPS_PER_SPLIT K steps per CTA; MAX_SPLIT bounds the fp32 workspace.
+CTAS_PER_SM = 4
+MIN_STEPS_PER_SPLIT = 2
+MAX_SPLIT = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -541,13 +597,18 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _split_for(cfg: GemmConfig, m: int, n: int, k: int, device: torch.device) -> int:
-    """Deterministic split-K for a default config: fill about one wave of SMs
-    when the output has few tiles and K is long."""
+def _split_for(cfg: GemmConfig, m: int, n: int, k: int, device: torch.device,
+               ctas_per_sm: int = CTAS_PER_SM) -> int:
+    """Deterministic split-K: double it while the grid has fewer than
+    ``ctas_per_sm`` CTAs per SM and each split keeps >= MIN_STEPS_PER_SPLIT
+    K steps (small M is latency bound: it needs many resident warps)."""
+    if cfg.predecode_w:
+        return 1
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(max(m, 1), cfg.block_m)
     steps = triton.cdiv(k, cfg.block_k)
     split = 1
-    while tiles * split * 2 <= _sm_count(device) and steps // (split * 2) >= 4 and split < 8:
+    while (tiles * split < ctas_per_sm * _sm_count(device)
+           and steps // (split * 2) >= MIN_STEPS_PER_SPLIT and split < MAX_SPLIT):
         split *= 2
     return split
 
@@ -564,6 +625,8 @@ def _portable(cfg: GemmConfig, p: Problem) -> GemmConfig:
 def default_config(p: Problem) -> GemmConfig:
     """The fixed config of ``p``'s M bucket, with a deterministic split-K."""
     cfg = _portable(DEFAULT_CONFIGS[m_bucket(p.m)], p)
+    if cfg.predecode_w and not config_ok(cfg, p)[0]:  # fp32 output: the kernel
+        cfg = dataclasses.replace(cfg, predecode_w=False)
     cfg = dataclasses.replace(cfg, split_k=_split_for(cfg, p.m, p.n, p.k, p.device))
     ok, why = config_ok(cfg, p)
     if not ok:  # keep dispatch total: fall back to the smallest config
@@ -576,12 +639,14 @@ def candidate_configs(p: Problem) -> list[GemmConfig]:
     b = m_bucket(p.m)
     bm = (16, 64, 128, 256)[b]
     out = []
-    for bn, bk, w, st in ((64, 256, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3), (64, 128, 4, 5),
+    for bn, bk, w, st in ((64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3), (64, 128, 4, 5),
                           (128, 64, 8, 4), (32, 512, 4, 3), (256, 64, 8, 3)):
         for split in sorted({1, _split_for(GemmConfig(bn, bm, bk), p.m, p.n, p.k, p.device)}):
             out.append(_portable(GemmConfig(bn, bm, bk, split, w, st), p))
     if not p.opt("w4a16") and b >= 2:
         out += [dataclasses.replace(c, predecode_x=True) for c in list(out)]
+    if b >= 2:
+        out.append(_portable(GemmConfig(128, bm, 64, predecode_w=True), p))
     uniq = list(dict.fromkeys(out))
     return [c for c in uniq if config_ok(c, p)[0]]
 
@@ -708,32 +773,54 @@ def _epilogue(acc, out_ptr, o_off, o_mask, rn, N, bias_ptr, alpha_ptr, fold, HAS
 
 
 @triton.jit(do_not_specialize=["M"])
-def _dequant_kernel(q_ptr, s_ptr, out_ptr, M, K, stride_qm, s_c4,
-                    HW_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Exact fp16 decode of a packed operand (the ``predecode_x`` path)."""
+def _dequant_kernel(q_ptr, s_ptr, out_ptr, factor_ptr, M, K, stride_qm, s_c4,
+                    HAS_FACTOR: tl.constexpr, HW_FP8: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[factor *] deq(q)`` in ``out_ptr``'s dtype (the predecode paths):
+    exact fp32 decode, one multiply, one rounding."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kt = tl.program_id(1)
     x = _load_fp4_tile(q_ptr, s_ptr, rows, M, stride_qm, K // 2, s_c4, kt, BLOCK_M, BLOCK_K, False,
-                       0, tl.float16, HW_FP8)
+                       0, tl.float32, HW_FP8)
+    if HAS_FACTOR:
+        x = x * tl.load(factor_ptr).to(tl.float32)
     rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], x,
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], x.to(out_ptr.dtype.element_ty),
              mask=(rows < M)[:, None] & (rk < K)[None, :])
 
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def dequant_fp16(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """fp16 ``[R, K]`` values ``e2m1 * s`` (exact) of packed ``q`` with swizzled ``s``."""
+def dequant(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float16,
+            factor: torch.Tensor | None = None) -> torch.Tensor:
+    """``[R, K]`` values ``factor * e2m1 * s`` in ``dtype`` (one rounding; exact
+    without ``factor`` for fp16/bf16/fp32) of packed ``q`` with swizzled ``s``."""
     rows, k = q.shape[0], 2 * q.shape[1]
-    out = torch.empty((rows, k), dtype=torch.float16, device=q.device)
+    out = torch.empty((rows, k), dtype=dtype, device=q.device)
     if rows == 0:
         return out
     bm, bk = 32, 256
     _dequant_kernel[(triton.cdiv(rows, bm), triton.cdiv(k, bk))](
-        q, s.view(torch.uint8), out, rows, k, q.stride(0), s.shape[1] // 4, HW_FP8=_hw_e4m3(q.device),
-        BLOCK_M=bm, BLOCK_K=bk)
+        q, s.view(torch.uint8), out, factor if factor is not None else out, rows, k, q.stride(0),
+        s.shape[1] // 4, HAS_FACTOR=factor is not None, HW_FP8=_hw_e4m3(q.device),
+        BLOCK_M=bm, BLOCK_K=bk, num_warps=4)
     return out
+
+
+def dequant_fp16(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp16 ``[R, K]`` values ``e2m1 * s`` (exact) of packed ``q`` with swizzled ``s``."""
+    return dequant(q, s, torch.float16)
+
+
+def _predecoded_linear(x16: torch.Tensor, w, w_s, factor, bias, out_dtype) -> torch.Tensor:
+    """The ``predecode_w`` path: ``F.linear(x16, 16-bit factor * deq(w)) (+ bias)``
+    on cuBLAS; the 16-bit weight is a temporary of this call."""
+    if x16.shape[0] == 0 or w.shape[0] == 0:
+        return nv.mm_output(x16, w, out_dtype)
+    wd = dequant(w, w_s, x16.dtype, factor)
+    y = torch.nn.functional.linear(x16, wd, None if bias is None else bias.to(x16.dtype))
+    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 # Split-K tile counters: each launch leaves them at 0 (the last program of a
@@ -796,6 +883,8 @@ def _launch(w, w_s, x, x_s, alpha, bias, out_dtype, cfg: GemmConfig, x_fp4: bool
 
 def run_mm(a, b, a_scales, b_scales, alpha, out_dtype, bias, cfg: GemmConfig) -> torch.Tensor:
     """``nvfp4_mm`` with an explicit config (benchmarks and tests)."""
+    if cfg.predecode_w:  # deq(a) exact in 16 bits, alpha folded into the weight
+        return _predecoded_linear(dequant(a, a_scales, out_dtype), b, b_scales, alpha, bias, out_dtype)
     if cfg.predecode_x:
         xa = dequant_fp16(a, a_scales)
         return _launch(b, b_scales, xa, None, alpha, bias, out_dtype, cfg, x_fp4=False)
@@ -804,6 +893,8 @@ def run_mm(a, b, a_scales, b_scales, alpha, out_dtype, bias, cfg: GemmConfig) ->
 
 def run_w4a16(x, b, b_scales, weight_alpha, out_dtype, bias, cfg: GemmConfig) -> torch.Tensor:
     """``nvfp4_w4a16_mm`` with an explicit config (benchmarks and tests)."""
+    if cfg.predecode_w:
+        return _predecoded_linear(x, b, b_scales, weight_alpha, bias, out_dtype)
     return _launch(b, b_scales, x, None, weight_alpha, bias, out_dtype, cfg, x_fp4=False)
 
 

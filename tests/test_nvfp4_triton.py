@@ -21,6 +21,7 @@ float64 on the decoded operands.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -304,6 +305,56 @@ def test_w4a16_exact(monkeypatch, cfg, xdtype):
     ref = ref_mm(x.double(), decode(qb, sb), alpha, None)
     assert not out.isnan().any()
     assert rel_err(out, ref) < 1e-5
+
+
+@interp
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [0, 1, 19])
+def test_predecode_w_paths(out_dtype, m):
+    """predecode_w: transient 16-bit ``alpha * deq(b)`` + F.linear; one extra
+    rounding of the scaled weight, so bf16-level agreement with float64."""
+    n, k = 40, 160
+    cfg = nt.GemmConfig(128, 256, 64, predecode_w=True, decode=TT)
+    qa, sa = quantized(m, k, "cpu", scale=3.0, gs=10.0)
+    qb, sb = quantized(n, k, "cpu", scale=0.1, gs=3000.0)
+    alpha, bias = torch.tensor(3.7e-4), torch.randn(n)  # fp16 outputs stay finite
+    out = nt.run_mm(qa, qb, sa, sb, alpha, out_dtype, bias, cfg)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    x = torch.randn(m, k).to(out_dtype)
+    out16 = nt.run_w4a16(x, qb, sb, alpha, out_dtype, None, cfg)
+    assert out16.shape == (m, n) and out16.dtype == out_dtype
+    if m:
+        assert rel_err(out, ref_mm(decode(qa, sa), decode(qb, sb), alpha, bias)) < 1e-2
+        assert rel_err(out16, ref_mm(x.double(), decode(qb, sb), alpha, None)) < 1e-2
+    # weight scaling is exact without a factor and a plain product with one
+    wd = nt.dequant(qb, sb, torch.float32, alpha)
+    assert rel_err(wd, decode(qb, sb) * 3.7e-4) < 1e-6
+
+
+def test_predecode_w_only_for_16_bit_outputs():
+    cfg = nt.GemmConfig(128, 256, 64, predecode_w=True, decode="triton")
+    assert nt.config_ok(cfg, _problem(4096))[0]
+    p32 = Problem(Family.NVFP4, torch.device("cpu"), 4096, 4096, 4096, torch.uint8, torch.float32, 4096,
+                  (("bias", False), ("w4a16", False)))
+    assert not nt.config_ok(cfg, p32)[0]
+    assert not nt.default_config(p32).predecode_w
+    # opt-in only (a transient 16-bit weight copy per call, one more rounding)
+    assert nt.default_config(_problem(4096)).predecode_w == (os.environ.get("SCALEDMM_NVFP4_PREDECODE_W") == "1")
+    assert not nt.config_ok(dataclasses.replace(cfg, predecode_x=True), _problem(4096))[0]
+
+
+def test_split_fills_the_sms():
+    p = _problem(1)
+    cfg = nt.default_config(p)
+    tiles = -(-p.n // cfg.block_n)
+    assert tiles * cfg.split_k >= nt.CTAS_PER_SM * nt._sm_count(p.device) or \
+        (p.k // cfg.block_k) // (2 * cfg.split_k) < nt.MIN_STEPS_PER_SPLIT
+
+
+def test_quant_configs():
+    assert nt.quant_config_ok(nt.DEFAULT_QUANT)[0]
+    assert all(nt.quant_config_ok(c)[0] for c in nt.QUANT_CANDIDATES)
+    assert not nt.quant_config_ok(nt.QuantConfig(24, 8, 4))[0]
 
 
 @interp
