@@ -1,40 +1,51 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): install, then run the named stages.
 #   bash benchmarks/device_all.sh tests skinny fp8 "bench:fp8_block --quick" ...
-# Stages: tests (whole suite, pytest-xdist; SCALEDMM_TESTS=gpu keeps the GPU cases), tests:<pytest args>, any
-# benchmarks/device_<name>.py as <name>, bench:<CLI args> (python -m benchmarks).
-# Every stage's log goes to $OUT/<stage>.log; the tail of each is printed last.
+# Stages: tests (pytest-xdist over tests/ and compile_tests/; SCALEDMM_TESTS=gpu
+# keeps the GPU cases), tests:<pytest args>, <name> for benchmarks/device_<name>.py,
+# bench:<CLI args> (python -m benchmarks ... --out <work>/bench).
+# Everything lands in a work folder; $OUT gets one archive of it (the device tool
+# returns at most 8 files) plus benchmarks/RESULTS.md, and the tail of every
+# stage's log is printed last.  Timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SCRIPT_TIMEOUT.
 set -u
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/scaledmm-out}
-mkdir -p "$OUT"
+FINAL_OUT=${OUT:-/tmp/scaledmm-out}
+WORK=/tmp/scaledmm-run
+mkdir -p "$FINAL_OUT" "$WORK"
+export OUT=$WORK  # scripts write their JSON here
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 || { cat "$WORK/install.log"; exit 1; }
 # Prebuilt CUTLASS libraries (built on the CPU machine with the same nvcc 13.0): carry this folder.
 [ -d benchmarks/out/jit-cache ] && export SCALEDMM_CACHE_DIR=$PWD/benchmarks/out/jit-cache
 export SCALEDMM_COMMIT=${SCALEDMM_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 summary=()
+names=()
 for stage in "$@"; do
   name=$(echo "$stage" | tr -c 'A-Za-z0-9_.-' '_' | cut -c1-40)
+  names+=("$name")
   t0=$(date +%s)
   case "$stage" in
-    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest tests compile_tests -q -p no:cacheprovider -n 14 --timeout 80 -rfE \
-             --junitxml="$OUT/junit.xml" -W ignore::pytest_benchmark.logger.PytestBenchmarkWarning >"$OUT/$name.log" 2>&1 ;;
-    tests:*) timeout 420 python3 -m pytest ${stage#tests:} -q -p no:cacheprovider --timeout 150 -rfE >"$OUT/$name.log" 2>&1 ;;
-    bench:*) timeout ${BENCH_TIMEOUT:-420} python3 -m benchmarks ${stage#bench:} --out "$OUT/bench" >"$OUT/$name.log" 2>&1 ;;
-    *) timeout 300 python3 "benchmarks/device_$stage.py" >"$OUT/$name.log" 2>&1 ;;
+    tests) timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest tests compile_tests -q -p no:cacheprovider -n 14 \
+             --timeout 80 -rfE --junitxml="$WORK/junit.xml" \
+             -W ignore::pytest_benchmark.logger.PytestBenchmarkWarning >"$WORK/$name.log" 2>&1 ;;
+    tests:*) timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest ${stage#tests:} -q -p no:cacheprovider --timeout 80 \
+             -rfE >"$WORK/$name.log" 2>&1 ;;
+    bench:*) timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks ${stage#bench:} --out "$WORK/bench" \
+             >"$WORK/$name.log" 2>&1 ;;
+    *) timeout "${SCRIPT_TIMEOUT:-300}" python3 "benchmarks/device_$stage.py" >"$WORK/$name.log" 2>&1 ;;
   esac
   rc=$?
   summary+=("== $stage: rc=$rc, $(( $(date +%s) - t0 )) s")
+  cp benchmarks/RESULTS.md "$FINAL_OUT/RESULTS.md" 2>/dev/null
+  tar czf "$FINAL_OUT/run.tgz" -C "$WORK" . 2>/dev/null  # after every stage: a timeout keeps what ran
 done
-for stage in "$@"; do
-  name=$(echo "$stage" | tr -c 'A-Za-z0-9_.-' '_' | cut -c1-40)
-  echo; echo "######## $stage"; tail -n 40 "$OUT/$name.log"
+for name in "${names[@]}"; do
+  echo; echo "######## $name"; tail -n 30 "$WORK/$name.log"
 done
 printf '%s\n' "${summary[@]}"
