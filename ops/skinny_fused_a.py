@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import os
 from pathlib import Path
 from typing import Union
 
@@ -390,10 +391,42 @@ def pdl_config(cfg: Config, n: int, k: int, m_bucket: int) -> Config:
     return cfg
 
 
+def reg_default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> RegConfig:
+    """Version 1's config for an unseen shape: 16-row tiles; split K
+    (clusters) until about one wave of CTAs fills the GPU; the deepest
+    register batch that still gives each warp two batches."""
+    tiles = -(-n // 16)
+    units = k // 32
+    split = 1
+    while tiles * split < num_sms and split < 8 and units >= 2 * split * 8:
+        split *= 2
+    for warps in (8, 4, 2):
+        for unroll in (4, 2, 1):
+            cfg = RegConfig(16, warps, split, unroll, False)
+            if config_valid(cfg, n, k, m_bucket)[0] and units / split / warps >= 2 * unroll:
+                return cfg
+    return RegConfig(16, 2, split, 1, False)
+
+
+# Which kernel serves a call.  The H200 run of the TMA-ring kernel (version 2,
+# benchmarks/RESULTS.md, run 3) measured 19.0 us at 7168->2112, M = 1, against
+# 10.3 us for version 1's best config (run 1) and 13.4 us for F.linear, so
+# version 1 with its measured table is the default; SCALEDMM_SKINNY_KERNEL=tma
+# selects version 2 (TUNING / default_config) for further tuning.
+KERNEL = os.environ.get("SCALEDMM_SKINNY_KERNEL", "reg")
+
+
 def choose_config(n: int, k: int, m: int, pdl: bool = False, num_sms: int = NUM_SMS_H200) -> Config:
-    """The tuned config of (N, K) for M's bucket, else :func:`default_config`;
-    with ``pdl``, its :func:`pdl_config`."""
+    """The config for (N, K) and M's bucket: version 1's measured table
+    (``REG_TUNING``) or its :func:`reg_default_config`; with
+    ``SCALEDMM_SKINNY_KERNEL=tma``, version 2's ``TUNING`` or
+    :func:`default_config`, and with ``pdl`` its :func:`pdl_config`."""
     mb = m_bucket(m)
+    if KERNEL != "tma":
+        cfg = REG_TUNING.get((n, k), {}).get(mb)
+        if cfg is None or not config_valid(cfg, n, k, mb)[0]:
+            cfg = reg_default_config(n, k, mb, num_sms)
+        return cfg
     cfg = TUNING.get((n, k), {}).get(mb)
     if cfg is None or not config_valid(cfg, n, k, mb)[0]:
         cfg = default_config(n, k, mb, num_sms)
