@@ -9,6 +9,8 @@ themselves as backends of the ``fp8_block`` family.
 
 from __future__ import annotations
 
+import importlib.resources
+
 import torch
 
 from scaledmm import backends
@@ -397,6 +399,9 @@ backends.register(Backend(
     is_supported=lambda d: (d.type == "cuda", "quantize op + GEMM op" if d.type == "cuda" else "GPU only"),
     description="fp8_block_linear as per_token_group_quant_fp8 + fp8_block_mm, each auto-selected",
 ))
+# Measured auto-selection refinements (per shape and M bucket) for the H200.
+backends.load_auto_table(FAMILY, importlib.resources.files("scaledmm") / "tuning" / "fp8_block_sm90.json")
+
 backends.register(Backend(
     FAMILY, "cublas",
     impls={"fp8_block_mm": cublas_mm},

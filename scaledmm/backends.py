@@ -45,6 +45,9 @@ __all__ = [
     "arch_key",
     "report",
     "record",
+    "set_auto_table",
+    "load_auto_table",
+    "auto_order",
 ]
 
 
@@ -188,6 +191,11 @@ _PRIORITY: dict[Family, dict[str, list[str]]] = {
     },
 }
 
+# Measured per-shape orders that refine the priority lists above:
+# (family, arch) -> {(n, k): [(max_m, [names...]), ...]} (ascending max_m).
+# Op modules load them from scaledmm/tuning/<family>_<arch>.json.
+_AUTO_TABLES: dict[tuple[Family, str], dict[tuple[int, int], list[tuple[int, list[str]]]]] = {}
+
 _OVERRIDE: contextvars.ContextVar[dict[Family, str]] = contextvars.ContextVar(
     "scaledmm_backend_override", default={}
 )
@@ -311,6 +319,53 @@ def set_priority(family: Family | str, arch: str, order: list[str]) -> None:
     _PRIORITY[Family.parse(family)][arch] = list(order)
 
 
+def set_auto_table(family: Family | str, arch: str, table: dict) -> None:
+    """Install a measured auto-selection table for ``family`` on ``arch``.
+
+    ``table`` maps ``(n, k)`` to ``[(max_m, [backend names]), ...]``: for a
+    problem of that shape the first entry with ``m <= max_m`` gives the order
+    automatic selection tries (then the rest of the priority list).  Shapes or
+    M beyond the table use the priority list alone.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> scaledmm.backends.set_auto_table("fp8", "sm00", {(64, 128): [(16, ["reference"])]})
+    """
+    _AUTO_TABLES[(Family.parse(family), arch)] = {
+        (int(n), int(k)): sorted((int(mm), list(order)) for mm, order in rows) for (n, k), rows in table.items()}
+
+
+def load_auto_table(family: Family | str, path) -> None:
+    """Load ``{"arch": ..., "shapes": {"NxK": [[max_m, [names]], ...]}}`` JSON
+    written from benchmark results (see benchmarks/RESULTS.md)."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    table = {}
+    for shape, rows in data["shapes"].items():
+        n, k = (int(v) for v in shape.lower().split("x"))
+        table[(n, k)] = [(int(mm), list(order)) for mm, order in rows]
+    set_auto_table(family, data["arch"], table)
+
+
+def auto_order(problem: Problem) -> list[str]:
+    """The order automatic selection tries for ``problem``: a measured table
+    entry first (if any), then the device's priority list."""
+    base = priority(problem.family, problem.device)
+    if not _AUTO_TABLES or problem.device.type != "cuda":
+        return base
+    table = _AUTO_TABLES.get((problem.family, arch_key(_device_key(problem.device))))
+    rows = table.get((problem.n, problem.k)) if table else None
+    if not rows:
+        return base
+    for max_m, order in rows:
+        if problem.m <= max_m:
+            return order + [b for b in base if b not in order]
+    return base
+
+
 def requested(family: Family | str) -> str | None:
     """The explicitly requested backend name (context manager, then env), if any."""
     fam = Family.parse(family)
@@ -414,7 +469,7 @@ def _select(problem: Problem, op: str) -> Backend:
             raise RuntimeError(f"backend {fam.value}/{name} was requested but cannot run: {why}")
         return backend
     reasons = []
-    for cand in priority(fam, problem.device):
+    for cand in auto_order(problem):
         backend = _REGISTRY[fam].get(cand)
         if backend is None or op not in backend.impls:
             continue

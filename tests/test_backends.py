@@ -132,3 +132,34 @@ def test_backend_modules_load_when_their_dependencies_exist():
         assert "skinny_fused_a" not in ops_pkg.BACKEND_LOAD_ERRORS, ops_pkg.BACKEND_LOAD_ERRORS
         assert "fused_a" in backends.names("skinny")
     assert "fp8_block_cutlass" not in ops_pkg.BACKEND_LOAD_ERRORS, ops_pkg.BACKEND_LOAD_ERRORS
+
+
+def test_measured_auto_table_orders_then_falls_back(monkeypatch):
+    fam = Family.FP8_BLOCK
+    monkeypatch.setattr(backends, "_AUTO_TABLES", {})
+    backends.set_auto_table(fam, "cpu", {(64, 128): [(16, ["t_x"]), (128, ["composite"])]})
+    # tables apply to GPUs only: on the CPU the priority list stands
+    assert backends.auto_order(_problem(m=4, n=64)) == backends.priority(fam, "cpu")
+    monkeypatch.setattr(backends, "arch_key", lambda d: "sm90")
+    monkeypatch.setattr(backends, "_device_key", lambda d: d)
+    monkeypatch.setattr(backends, "priority", lambda f, d: ["cublas", "triton", "reference"])
+    cuda = torch.device("cuda", 0)
+    p = lambda m, n: Problem(fam, cuda, m, n, 128, torch.float8_e4m3fn, torch.bfloat16, 128)
+    backends.set_auto_table(fam, "sm90", {(64, 128): [(128, ["triton"]), (16, ["reference", "triton"])]})
+    assert backends.auto_order(p(16, 64)) == ["reference", "triton", "cublas"]
+    assert backends.auto_order(p(17, 64)) == ["triton", "cublas", "reference"]
+    assert backends.auto_order(p(129, 64)) == ["cublas", "triton", "reference"]
+    assert backends.auto_order(p(4, 65)) == ["cublas", "triton", "reference"]
+
+
+def test_shipped_fp8_block_table_loads():
+    import importlib.resources
+    import json
+
+    data = json.loads((importlib.resources.files("scaledmm") / "tuning" / "fp8_block_sm90.json").read_text())
+    assert data["arch"] == "sm90"
+    table = backends._AUTO_TABLES[(Family.FP8_BLOCK, "sm90")]
+    assert (2112, 7168) in table and all(names for rows in table.values() for _, names in rows)
+    for rows in table.values():
+        for _, names in rows:
+            assert set(names) <= set(backends.names("fp8_block"))
