@@ -331,12 +331,19 @@ def pad_rows(a: torch.Tensor, a_scales: torch.Tensor, multiple: int = ALIGN_M):
 
 
 def _padded_mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
+    """Select the backend for the padded problem (M rounded up to 4); pad
+    only when that backend needs it.  A backend that takes any M (Triton,
+    when the measured auto table ranks it first) reads the original rows: no
+    copy, same result."""
     col = check_mm_args("padded_fp8_block_mm", a, b, a_scales, b_scales, block_size, out_dtype)
     m = a.shape[0]
-    a_p, s_p = pad_rows(a, a_scales)
-    p = problem(a_p, b, block_size, out_dtype, col)
-    out = run(p, "fp8_block_mm", a_p, b, s_p, b_scales, block_size, out_dtype)
-    return out[:m]
+    mp = V.round_up(m, ALIGN_M)
+    backend = backends.select(problem(a, b, block_size, out_dtype, col, m=mp), "fp8_block_mm")
+    mm = backend.impls["fp8_block_mm"]
+    if mp == m or backend.needs_m_multiple == 1:
+        return mm(a, b, a_scales, b_scales, block_size, out_dtype)
+    a_p, s_p = pad_rows(a, a_scales, backend.needs_m_multiple)
+    return mm(a_p, b, s_p, b_scales, block_size, out_dtype)[:m]
 
 
 def _dynamic_padded_mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):

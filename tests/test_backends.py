@@ -58,6 +58,23 @@ def test_ops_use_selected_backend(fake_backends):
     assert fake_backends == ["t_aligned", "t_aligned"]
 
 
+def test_padded_op_pads_only_for_backends_that_need_it(fake_backends):
+    seen = []
+    backends.register(Backend(Family.FP8_BLOCK, "t_any", {"fp8_block_mm": lambda a, b, sa, sb, bs, od: (
+        seen.append(a.shape[0]) or ops.reference_mm(a, b, sa, sb, bs, od))}))
+    try:
+        a = torch.randn(3, 128).to(torch.float8_e4m3fn)
+        b = torch.randn(32, 128).to(torch.float8_e4m3fn)
+        sa, sb = torch.ones(3, 1), torch.ones(1, 1)
+        with scaledmm.use_backend("fp8_block", "t_any"):  # any M: no padding copy
+            torch.ops.scaledmm.padded_fp8_block_mm(a, b, sa, sb)
+        with scaledmm.use_backend("fp8_block", "t_aligned"):  # M % 4: padded to 4
+            out = torch.ops.scaledmm.padded_fp8_block_mm(a, b, sa, sb)
+        assert seen == [3] and fake_backends == ["t_aligned"] and out.shape == (3, 32)
+    finally:
+        backends.unregister("fp8_block", "t_any")
+
+
 def test_context_manager_and_env(fake_backends, monkeypatch):
     with scaledmm.use_backend("fp8_block", "reference"):
         assert backends.select(_problem(), "fp8_block_mm").name == "reference"
