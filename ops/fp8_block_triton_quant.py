@@ -1,0 +1,226 @@
+"""Per-token-group FP8 quantization in Triton: the ``per_token_group_quant_fp8``
+op of backend ``triton`` (family ``fp8_block``; registered by
+``ops/fp8_block_triton.py``), and the quantization device functions the fused
+GEMM of that module shares.
+
+* ``_quant_kernel``: ``per_token_group_quant_fp8``, bit-identical to
+  ``ops.fp8_block.reference_quant`` (true division, round to nearest even);
+  any row stride; row-, column-major or TMA-aligned scales; ue8m0 option.
+* ``_quant_rows`` (with ``_e4m3_soft``, ``_pow2_ceil``): one group per tile
+  row; also ``QUANT_A`` of ``fp8_block_triton._mm_kernel``
+  (``fp8_block_linear`` quantizing in registers).
+* ``_fp8_mode``, ``_capability``, ``_INTERPRET``, ``_bytes_view``,
+  ``_device_guard``: how fp8 is encoded and launched on a device, shared with
+  the GEMM launchers.
+
+This module also patches Triton's interpreter under ``TRITON_INTERPRET=1``;
+``ops/fp8_block_triton.py`` imports it before it defines its kernels, so the
+patch is in place before any kernel of either module runs.
+Read top to bottom: interpreter patch, capability checks, kernels, launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from scaledmm import validation as V
+from scaledmm.oplib import FP8_DTYPE
+
+from . import fp8_block as base
+
+__all__ = ["per_token_group_quant"]
+
+
+# Triton picks interpreter or compiler when a kernel is decorated, i.e. when
+# this module is imported: remember which one these kernels got.
+_INTERPRET = triton.knobs.runtime.interpret if hasattr(triton, "knobs") else os.environ.get(
+    "TRITON_INTERPRET") == "1"
+
+
+def _fix_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns its 1-element scalar arrays into loop
+    bounds with ``int(array)``, which NumPy >= 2.4 refuses (any ``range`` over
+    runtime values fails).  Interpreter mode only; a no-op on older NumPy."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.array([1]))
+    except TypeError:
+        orig = interpreter._patch_lang_tensor
+
+        def patched(tensor, scope):
+            orig(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        interpreter._patch_lang_tensor = patched
+
+
+if _INTERPRET:
+    _fix_interpreter_index()
+
+# ----------------------------------------------------------------------------
+# Capability checks
+# ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)
+
+
+def _fp8_mode(device: torch.device) -> tuple[bool, bool]:
+    """(soft_cvt, widen).  soft_cvt: encode fp32 -> e4m3 in integer code, where
+    Triton's cast is not round-to-nearest-even (the interpreter; sm89, which
+    goes through an fp16 rounded toward zero) or missing (sm80).  widen: no e4m3
+    type at all (sm80): operands travel as bytes, the dot runs in fp16."""
+    if _INTERPRET:
+        return True, False
+    cap = _capability(device)
+    return cap < (9, 0), cap < (8, 9)
+
+
+# ----------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _e4m3_soft(v):
+    """fp32 in [-448, 448] (or NaN) -> e4m3 bits, round to nearest even, as uint8."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31).to(tl.int32)
+    mag = bits & 0x7FFFFFFF
+    exp = (mag >> 23).to(tl.int32) - 127
+    mant = mag & 0x7FFFFF
+    # normal e4m3 (|v| >= 2**-6): keep 3 mantissa bits, carry may bump the exponent
+    base = ((exp + 7) << 3) | (mant >> 20).to(tl.int32)
+    rest = mant & 0xFFFFF
+    up = (rest > 0x80000) | ((rest == 0x80000) & ((base & 1) == 1))
+    normal = base + up.to(tl.int32)
+    # subnormal: multiples of 2**-9, rounded to nearest even by the 2**23 trick
+    scaled = tl.abs(v) * 512.0
+    sub = ((scaled + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(exp >= -6, normal, sub)
+    code = tl.where(mag > 0x7F800000, 0x7F, code)
+    return (code | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def _pow2_ceil(s, INTERPRET: tl.constexpr):
+    """2 ** ceil(log2(s)) as the reference computes it (log2 in fp32)."""
+    if INTERPRET:
+        lg = tl.log2(s)
+    else:
+        lg = tl.extra.cuda.libdevice.log2(s)
+    finite = (s == s) & (s < float("inf"))
+    e = tl.where(finite, tl.ceil(lg), 0.0)
+    e = tl.minimum(tl.maximum(e, -126.0), 127.0).to(tl.int32)
+    p = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(finite, p, s)
+
+
+@triton.jit
+def _quant_rows(x, eps, UE8M0: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """Quantize each row of an fp32 tile as one group (padding lanes must be 0).
+
+    Returns (codes, scales): codes are e4m3 (uint8 bits when WIDEN)."""
+    ax = tl.abs(x)
+    amax = tl.max(ax, 1)  # (NaN-blind on the GPU: add the NaN back explicitly)
+    amax = tl.where(tl.max((ax != ax).to(tl.int32), 1) > 0, float("nan"), amax)
+    s = tl.math.div_rn(tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL), 448.0)
+    if UE8M0:
+        s = _pow2_ceil(s, INTERPRET)
+    y = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    if SOFT_CVT:
+        q = _e4m3_soft(y)
+        if not WIDEN:
+            q = q.to(tl.float8e4nv, bitcast=True)
+    else:
+        q = y.to(tl.float8e4nv)
+    return q, s
+
+
+@triton.jit(do_not_specialize=["M", "stride_sm", "stride_sg"])
+def _quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, eps,
+                  GROUP: tl.constexpr, GP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+                  NUM_GROUPS: tl.constexpr, ROWS: tl.constexpr, UE8M0: tl.constexpr,
+                  SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, GP)
+    rmask = rows < M
+    rows64 = rows.to(tl.int64)
+    for i in tl.static_range(GROUPS_PER_PROG):
+        g = tl.program_id(1) * GROUPS_PER_PROG + i
+        mask = rmask[:, None] & (cols < GROUP)[None, :] & (g < NUM_GROUPS)
+        k = g * GROUP + cols
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
+        q, s = _quant_rows(x.to(tl.float32), eps, UE8M0, SOFT_CVT, WIDEN, INTERPRET)
+        tl.store(q_ptr + rows64[:, None] * stride_qm + k[None, :], q, mask=mask)
+        tl.store(s_ptr + rows * stride_sm + g * stride_sg, s, mask=rmask & (g < NUM_GROUPS))
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def _device_guard(device: torch.device):
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _bytes_view(t: torch.Tensor, widen: bool) -> torch.Tensor:
+    """fp8 tensors travel as bytes where Triton has no e4m3 type (sm80)."""
+    return t.view(torch.uint8) if widen and t.dtype == FP8_DTYPE else t
+
+
+def per_token_group_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1e-10,
+                          column_major_scales: bool = False, scale_ue8m0: bool = False,
+                          tma_aligned: bool = False, block_rows: int | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` (bf16/fp16/fp32 ``[M, K]``, any row stride) per 1 x
+    ``group_size`` group to e4m3 codes ``[M, K]`` and fp32 scales ``[M, K /
+    group_size]``: the op ``per_token_group_quant_fp8``, plus ``tma_aligned``
+    (with ``column_major_scales``: scale strides ``(1, round_up(M, 4))``) and
+    ``block_rows`` (rows per program, a tuning knob).
+
+    Examples
+    --------
+    >>> import torch  # doctest: +SKIP
+    >>> q, s = per_token_group_quant(torch.randn(3, 256, device="cuda"), 128)  # doctest: +SKIP
+    >>> tuple(s.shape)  # doctest: +SKIP
+    (3, 2)
+    """
+    q, s = base.quant_outputs(x, group_size, eps, column_major_scales, scale_ue8m0)
+    m, k = x.shape
+    g = k // group_size
+    if tma_aligned and column_major_scales:
+        s = torch.empty((g, V.round_up(m, 4)), dtype=torch.float32, device=x.device)[:, :m].t()
+    if m == 0 or g == 0:
+        return q, s
+    soft, widen = _fp8_mode(x.device)
+    gp = _next_pow2(group_size)
+    rows = block_rows or min(16, _next_pow2(m), max(1, 4096 // gp))
+    per_prog = max(1, min(g, 4096 // (rows * gp)))
+    grid = (triton.cdiv(m, rows), triton.cdiv(g, per_prog))
+    with _device_guard(x.device):
+        _quant_kernel[grid](
+            x, _bytes_view(q, widen), s, m, x.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
+            GROUP=group_size, GP=gp, GROUPS_PER_PROG=per_prog, NUM_GROUPS=g, ROWS=rows,
+            UE8M0=bool(scale_ue8m0), SOFT_CVT=soft, WIDEN=widen, INTERPRET=_INTERPRET, num_warps=4)
+    return q, s
