@@ -213,14 +213,14 @@ def register(backend: Backend) -> Backend:
     >>> backends.unregister("fp8", "mine")
     """
     _REGISTRY[backend.family][backend.name] = backend
-    _supported_cached.cache_clear()
+    _invalidate()
     return backend
 
 
 def unregister(family: Family | str, name: str) -> None:
     """Remove a backend (tests use this to plant a broken provider)."""
     _REGISTRY[Family.parse(family)].pop(name, None)
-    _supported_cached.cache_clear()
+    _invalidate()
 
 
 def names(family: Family | str) -> list[str]:
@@ -317,6 +317,7 @@ def set_priority(family: Family | str, arch: str, order: list[str]) -> None:
     >>> scaledmm.backends.set_priority("fp8", "cpu", old)
     """
     _PRIORITY[Family.parse(family)][arch] = list(order)
+    _invalidate()
 
 
 def set_auto_table(family: Family | str, arch: str, table: dict) -> None:
@@ -334,6 +335,7 @@ def set_auto_table(family: Family | str, arch: str, table: dict) -> None:
     """
     _AUTO_TABLES[(Family.parse(family), arch)] = {
         (int(n), int(k)): sorted((int(mm), list(order)) for mm, order in rows) for (n, k), rows in table.items()}
+    _invalidate()
 
 
 def load_auto_table(family: Family | str, path) -> None:
@@ -430,16 +432,39 @@ def record() -> Iterator[list[tuple[str, str, Problem]]]:
         _RECORDERS.remove(log)
 
 
+# Selections already made, keyed by (problem, op, explicit request): a hit
+# skips the priority walk on the per-call path.  Cleared whenever the registry,
+# a priority list or an auto table changes, and when it grows past a bound.
+_SELECTIONS: dict[tuple, Backend] = {}
+_SELECTIONS_MAX = 4096
+
+
+def _invalidate() -> None:
+    _supported_cached.cache_clear()
+    _SELECTIONS.clear()
+
+
 def select(problem: Problem, op: str) -> Backend:
     """The backend that runs ``op`` for ``problem`` (see :func:`_select`)."""
-    backend = _select(problem, op)
+    name = requested(problem.family)
+    key = (problem, op, name)
+    try:
+        backend = _SELECTIONS.get(key)
+    except TypeError:  # an unhashable option value: no caching
+        key, backend = None, None
+    if backend is None:
+        backend = _select(problem, op, name)
+        if key is not None:
+            if len(_SELECTIONS) >= _SELECTIONS_MAX:
+                _SELECTIONS.clear()
+            _SELECTIONS[key] = backend
     if _RECORDERS:
         for log in _RECORDERS:
             log.append((op, backend.name, problem))
     return backend
 
 
-def _select(problem: Problem, op: str) -> Backend:
+def _select(problem: Problem, op: str, name: str | None) -> Backend:
     """The backend that runs ``op`` for ``problem``.
 
     An explicit request (see :func:`use_backend`) is honoured or raises
@@ -457,7 +482,6 @@ def _select(problem: Problem, op: str) -> Backend:
     'reference'
     """
     fam = problem.family
-    name = requested(fam)
     if name is not None:
         backend = get(fam, name)
         if op not in backend.impls:

@@ -180,3 +180,18 @@ def test_shipped_fp8_block_table_loads():
     for rows in table.values():
         for _, names in rows:
             assert set(names) <= set(backends.names("fp8_block"))
+
+
+def test_selection_cache_follows_registry_changes(fake_backends):
+    p = _problem(m=4)
+    assert backends.select(p, "fp8_block_mm").name == "t_aligned"
+    assert backends.select(p, "fp8_block_mm").name == "t_aligned"  # cached
+    backends.set_priority("fp8_block", "cpu", ["reference", "t_aligned"])
+    assert backends.select(p, "fp8_block_mm").name == "reference"
+    backends.set_priority("fp8_block", "cpu", ["t_aligned", "reference"])
+    assert backends.select(p, "fp8_block_mm").name == "t_aligned"
+    backends.register(Backend(Family.FP8_BLOCK, "t_aligned", {"fp8_block_mm": lambda *a: None},
+                              is_supported=lambda d: (False, "gone")))
+    assert backends.select(p, "fp8_block_mm").name == "reference"
+    with scaledmm.use_backend("fp8_block", "reference"):  # the request is part of the key
+        assert backends.select(_problem(m=8), "fp8_block_mm").name == "reference"
