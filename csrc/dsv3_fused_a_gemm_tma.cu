@@ -76,15 +76,11 @@
 #define FA_XRES 0
 #endif
 
+#include "fused_a_ptx.cuh"
+
 namespace fat {
 
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-struct alignas(16) V4 {
-  u32 v[4];
-};
+using namespace fa_ptx;
 
 constexpr int N = FA_N;
 constexpr int K = FA_K;
@@ -193,38 +189,8 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 // "memory" clobber, otherwise free for the compiler to schedule.
 __device__ __forceinline__ V4 lds128(const unsigned char* p) { return *reinterpret_cast<const V4*>(p); }
 
-// D (16 x 8, fp32) += A (16 x 16, bf16, row) * B (16 x 8, bf16, col)
-__device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u16 to_bf16(float f) {
-  u16 h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-}
-
-__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
-__device__ __forceinline__ void launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
 __device__ __forceinline__ void consumer_sync() {  // the consumer warps only (barrier 1)
   asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
-}
-
-__device__ __forceinline__ u32 cluster_rank() {
-  u32 r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-__device__ __forceinline__ void cluster_sync() {  // publishes every thread's shared-memory writes cluster-wide
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // Split phase of a cluster barrier: arrive at start, wait before the first
