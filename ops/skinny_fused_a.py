@@ -5,12 +5,15 @@ current stream, optionally with programmatic dependent launch (PDL).
 
 Two kernels, one config class each:
 
-* ``csrc/dsv3_fused_a_gemm_tma.cu`` (:class:`TmaConfig`, the default): a
-  producer warp streams the weight (and x) through a shared-memory ring with
-  TMA bulk copies; consumer warps run ``mma.sync`` from shared memory.
-* ``csrc/dsv3_fused_a_gemm.cu`` (:class:`RegConfig`, version 1): every warp
-  loads its fragments from global memory straight into registers.  Kept as
-  the measured baseline and a fallback.
+* ``csrc/dsv3_fused_a_gemm.cu`` (:class:`RegConfig`, version 1, the
+  default): every warp loads its fragments from global memory straight into
+  registers.  Its table ``REG_TUNING`` was measured on the H200 (10.3 us at
+  7168->2112, M = 1; ``benchmarks/device_results/run1_skinny.log``).
+* ``csrc/dsv3_fused_a_gemm_tma.cu`` (:class:`TmaConfig`, opt-in with
+  ``SCALEDMM_SKINNY_KERNEL=tma``): a producer warp streams the weight (and x)
+  through a shared-memory ring with TMA bulk copies; consumer warps run
+  ``mma.sync`` from shared memory.  Measured at 19.0 us on the same shape
+  with its predicted table: to be tuned (``benchmarks/device_skinny.py``).
 
 Read top to bottom: capability checks, the config space (two frozen
 dataclasses, one validity predicate :func:`config_valid` shared by dispatch,
@@ -521,7 +524,8 @@ backends.register(Backend(
     impls={skinny.OP: fused_a_gemm},
     is_supported=is_supported,
     can_implement=can_implement,
-    description="csrc/dsv3_fused_a_gemm_tma.cu: NVRTC, TMA bulk-copy ring, mma.sync bf16, split-K over clusters",
+    description=("NVRTC, mma.sync bf16, split-K over clusters: csrc/dsv3_fused_a_gemm.cu (register "
+                 "kernel, default) or csrc/dsv3_fused_a_gemm_tma.cu (TMA ring, SCALEDMM_SKINNY_KERNEL=tma)"),
 ))
 
 
