@@ -163,6 +163,7 @@ class Backend:
 
 
 _REGISTRY: dict[Family, dict[str, Backend]] = {f: {} for f in Family}
+_ENV_VARS: dict[Family, str] = {f: f.env_var for f in Family}
 
 # Measured-fastest-first priority lists.  Keys: "cpu", "sm80", "sm89", "sm90",
 # "sm100", "sm120", or "cuda" as the fallback for any other GPU.  Names that are
@@ -370,10 +371,10 @@ def auto_order(problem: Problem) -> list[str]:
 
 def requested(family: Family | str) -> str | None:
     """The explicitly requested backend name (context manager, then env), if any."""
-    fam = Family.parse(family)
+    fam = family if isinstance(family, Family) else Family.parse(family)
     name = _OVERRIDE.get().get(fam)
     if name is None:
-        name = os.environ.get(fam.env_var) or None
+        name = os.environ.get(_ENV_VARS[fam]) or None
     if name == "auto":
         return None
     return name
