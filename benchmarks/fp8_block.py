@@ -59,13 +59,34 @@ def _scaled_mm_blockwise(a, b, a_s, b_s, block, out_dtype):
                             out_dtype=out_dtype)
 
 
-def _baselines(device: torch.device) -> list[Provider]:
-    pad4 = Provider("pad4", BASELINE, prepare,
-                    forced(torch.ops.scaledmm.padded_fp8_block_mm, "fp8_block", "auto"),
+def _padded(name: str) -> Provider:
+    """``padded_fp8_block_mm`` with backend ``name`` forced (``auto``: the
+    aligned auto choice).  ``pad4_<backend>`` measures what padding really
+    costs for an aligned-only backend: the auto-table generator
+    (``python -m benchmarks.tune``) ranks it against the unpadded backends at
+    every M that is not a multiple of 4."""
+    label = "pad4" if name == "auto" else f"pad4_{name}"
+    return Provider(label, BASELINE, prepare, forced(torch.ops.scaledmm.padded_fp8_block_mm, "fp8_block", name),
                     reference, to_f64, "fp8")
+
+
+def _aligned_only(device: torch.device) -> list[str]:
+    """Backends of the registry that need M % 4 == 0 and run on ``device``."""
+    from scaledmm import backends
+
+    out = []
+    for name in backends.names("fp8_block"):
+        b = backends.get("fp8_block", name)
+        if b.needs_m_multiple > 1 and "fp8_block_mm" in b.impls and b.is_supported(device)[0]:
+            out.append(name)
+    return out
+
+
+def _baselines(device: torch.device) -> list[Provider]:
     blockwise = Provider("scaled_mm_blockwise", BASELINE, prepare, _scaled_mm_blockwise, reference,
                          to_f64, "fp8")
-    return [pad4, blockwise] + gemm_baselines(device)
+    pads = [_padded(name) for name in ("auto", *_aligned_only(device))]
+    return pads + [blockwise] + gemm_baselines(device)
 
 
 def benches() -> list[OpBench]:

@@ -5,6 +5,7 @@ reported and not timed), RESULTS.md sections, skipped families, metrics."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import subprocess
@@ -270,3 +271,78 @@ def test_every_family_runs_and_its_reference_passes_the_gate(tmp_path, capsys):
             if r["provider"] in ("auto", "reference"):
                 assert r["status"] == "ok" and float(r["median_us"]) > 0, r
     assert {"fp8_block_mm", "per_token_group_quant_fp8"} <= seen
+
+
+# ----------------------------------------------------------------------------
+# benchmarks.tune: the auto-table generator
+# ----------------------------------------------------------------------------
+
+
+def _tune_rows(points):
+    """CSV-like rows from ``{(m, provider): us}`` (nan: status n/a)."""
+    rows = []
+    for (m, prov), us in points.items():
+        kind = "baseline" if prov.startswith("pad4") or prov == "bf16_linear" else "ours"
+        rows.append({"op": "fp8_block_mm", "n": "2112", "k": "7168", "m": str(m), "provider": prov,
+                     "kind": kind, "status": "n/a" if math.isnan(us) else "ok",
+                     "median_us": "" if math.isnan(us) else str(us)})
+    return rows
+
+
+def test_tune_ranks_padded_backends_by_their_padded_time():
+    from benchmarks import tune
+
+    nan = math.nan
+    rows = _tune_rows({
+        (3, "triton"): 10.0, (3, "cublas"): nan, (3, "pad4_cublas"): 12.0, (3, "auto"): 1.0,
+        (3, "bf16_linear"): 2.0, (3, "reference"): 0.5,
+        (1023, "triton"): 60.0, (1023, "cublas"): nan, (1023, "pad4_cublas"): 41.0,
+        (1024, "triton"): 58.0, (1024, "cublas"): 40.0, (1024, "pad4_cublas"): 40.5,
+    })
+    ranked = tune.rank_points(rows, "fp8_block_mm")
+    assert ranked[(2112, 7168)][3] == [("triton", 10.0), ("cublas", 12.0)]  # auto/reference/baselines excluded
+    assert ranked[(2112, 7168)][1023] == [("cublas", 41.0), ("triton", 60.0)]  # the pad is paid
+    assert ranked[(2112, 7168)][1024] == [("cublas", 40.0), ("triton", 58.0)]  # own time, not pad4's
+
+
+def test_tune_merges_buckets_and_covers_larger_m(tmp_path):
+    from benchmarks import tune
+
+    pts = {}
+    for m, (t, c) in {1: (9, 20), 2: (9, 20), 4: (10, 15), 16: (11, 15.2), 64: (20, 19.8),
+                      128: (30, 22), 4096: (170, 110)}.items():
+        pts[(m, "triton")], pts[(m, "cublas")] = t, c
+    table = tune.build_table(tune.rank_points(_tune_rows(pts), "fp8_block_mm"), tolerance=0.03)
+    # 64: cublas 19.8 vs triton 20.0 is within 3%: the triton-first bucket goes on.
+    assert table == {"2112x7168": [[64, ["triton", "cublas"]], [tune.LAST_M, ["cublas", "triton"]]]}
+    # The registry reads what the generator writes, and orders by it.
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"family": "fp8_block", "arch": "sm00", "shapes": table}))
+    saved = dict(backends._AUTO_TABLES)
+    try:
+        backends.load_auto_table("fp8_block", path)
+        rows = backends._AUTO_TABLES[(backends.Family.FP8_BLOCK, "sm00")][(2112, 7168)]
+        assert rows[0] == (64, ["triton", "cublas"]) and rows[-1][0] == tune.LAST_M
+    finally:
+        backends._AUTO_TABLES.clear()
+        backends._AUTO_TABLES.update(saved)
+        backends._invalidate()
+
+
+def test_tune_cli_writes_json(tmp_path):
+    from benchmarks import tune
+
+    path = tmp_path / "fp8_block.csv"
+    rows = _tune_rows({(1, "triton"): 9.0, (1, "cublas"): math.nan, (1, "pad4_cublas"): 20.0})
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    out = tmp_path / "table.json"
+    assert tune.main([str(path), "--out", str(out), "--source", "unit test"]) == 0
+    data = json.loads(out.read_text())
+    assert data["arch"] == "sm90" and data["shapes"] == {"2112x7168": [[tune.LAST_M, ["triton", "cublas"]]]}
+    assert "unit test" in data["source"]
+    empty = tmp_path / "empty.csv"
+    empty.write_text("op,n,k,m,provider,kind,status,median_us\n")
+    assert tune.main([str(empty)]) == 1

@@ -1,0 +1,147 @@
+"""``python -m benchmarks.tune <csv> [--out JSON]``: the measured auto-selection
+table of a registry family, from a benchmark CSV.
+
+The CSV comes from ``python -m benchmarks fp8_block --shapes dsv3`` run on the
+GPU the table is for (the default M sweep).  For every shape and every
+measured M, the family's backends are ranked by their median time:
+
+* a backend that computed the point unpadded counts with its own time;
+* a backend that needs M % 4 == 0 counts, at an M that is not a multiple of 4,
+  with the time of its ``pad4_<backend>`` provider (``padded_fp8_block_mm``
+  forced onto it): the padding copy is paid in the measurement, so auto never
+  ranks a padded path above an unpadded one that was faster.
+
+Neighbouring M whose ranking is the same (or whose winner is within
+``--tolerance`` of the previous winner, which keeps timing noise from
+splitting buckets) merge into one ``[max_m, order]`` row; the last row also
+covers every larger M.  An M between two measured values uses the row of the
+next larger one.  ``scaledmm.backends.load_auto_table`` reads the result.
+
+Examples
+--------
+>>> # on the H200 (device tool), then here:
+>>> # python -m benchmarks fp8_block --shapes dsv3 --out out/sweep
+>>> # python -m benchmarks.tune out/sweep/fp8_block.csv --out scaledmm/tuning/fp8_block_sm90.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+__all__ = ["rank_points", "build_table", "main"]
+
+LAST_M = 2**31 - 1  # the last row of a shape covers every larger M
+# Providers of our op that are not candidates: auto is what the table drives,
+# reference is plain torch math (never a speed choice on a GPU).
+NOT_CANDIDATES = frozenset({"auto", "reference"})
+
+
+def _time(row: dict) -> float:
+    if row.get("status") != "ok":
+        return math.nan
+    try:
+        return float(row["median_us"])
+    except (KeyError, ValueError):
+        return math.nan
+
+
+def rank_points(rows: list[dict], op: str) -> dict[tuple[int, int], dict[int, list[tuple[str, float]]]]:
+    """``{(n, k): {m: [(backend, us), ...] fastest first}}`` for ``op``.
+
+    Candidates are our providers (``kind == "ours"``) other than ``auto`` and
+    ``reference``; ``pad4_<backend>`` stands in for ``<backend>`` where the
+    backend itself did not run (M not a multiple of 4)."""
+    times: dict[tuple[int, int, int], dict[str, float]] = defaultdict(dict)
+    padded: dict[tuple[int, int, int], dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        if r.get("op") != op:
+            continue
+        key = (int(r["n"]), int(r["k"]), int(r["m"]))
+        t = _time(r)
+        name = r["provider"]
+        if r.get("kind") == "ours" and name not in NOT_CANDIDATES:
+            times[key].setdefault(name, math.nan)
+            if not math.isnan(t):
+                times[key][name] = t
+        elif name.startswith("pad4_") and not math.isnan(t):
+            padded[key][name[len("pad4_"):]] = t
+    out: dict[tuple[int, int], dict[int, list[tuple[str, float]]]] = defaultdict(dict)
+    for key in sorted(set(times) | set(padded)):
+        n, k, m = key
+        cand = {b: t for b, t in times.get(key, {}).items() if not math.isnan(t)}
+        for b, t in padded.get(key, {}).items():
+            cand.setdefault(b, t)
+        if cand:
+            out[(n, k)][m] = sorted(cand.items(), key=lambda bt: (bt[1], bt[0]))
+    return dict(out)
+
+
+def build_table(ranked: dict[tuple[int, int], dict[int, list[tuple[str, float]]]],
+                tolerance: float = 0.03) -> dict[str, list[list]]:
+    """Merge per-M rankings into ``{"NxK": [[max_m, [names]], ...]}`` rows.
+
+    A point keeps the previous row's order when that order's first backend is
+    within ``tolerance`` (relative) of this point's fastest time."""
+    table: dict[str, list[list]] = {}
+    for (n, k), points in sorted(ranked.items()):
+        rows: list[list] = []
+        for m in sorted(points):
+            order = [b for b, _ in points[m]]
+            best = points[m][0][1]
+            if rows:
+                prev = rows[-1][1]
+                t_prev = dict(points[m]).get(prev[0])
+                same = [b for b in prev if b in order] == order
+                if same or (t_prev is not None and t_prev <= best * (1 + tolerance)):
+                    rows[-1][0] = m
+                    # Backends not seen in the previous row keep their place at the end.
+                    rows[-1][1] = prev + [b for b in order if b not in prev]
+                    continue
+            rows.append([m, order])
+        if rows:
+            rows[-1][0] = LAST_M
+            table[f"{n}x{k}"] = rows
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("csv", help="benchmark CSV (python -m benchmarks <family> ... writes <out>/<family>.csv)")
+    p.add_argument("--op", default="fp8_block_mm", help="op whose providers are ranked (default fp8_block_mm)")
+    p.add_argument("--family", default="fp8_block", help="registry family (default fp8_block)")
+    p.add_argument("--arch", default="sm90", help="architecture key of the table (default sm90)")
+    p.add_argument("--tolerance", type=float, default=0.03, help="relative noise margin (default 0.03)")
+    p.add_argument("--source", default="", help="provenance line stored in the JSON (GPU, date, commit)")
+    p.add_argument("--out", help="JSON file to write (default: stdout)")
+    args = p.parse_args(argv)
+    with open(args.csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    ranked = rank_points(rows, args.op)
+    if not ranked:
+        print(f"{args.csv}: no timed {args.op} point of our backends", file=sys.stderr)
+        return 1
+    source = args.source
+    meta = Path(args.csv).with_name("meta.json")
+    if not source and meta.exists():
+        env = json.loads(meta.read_text()).get("env", {})
+        source = ", ".join(f"{k}: {env[k]}" for k in ("device", "date", "torch", "triton", "commit") if k in env)
+    data = {"family": args.family, "arch": args.arch,
+            "source": f"python -m benchmarks.tune {Path(args.csv).name}; {source}".rstrip("; "),
+            "shapes": build_table(ranked, args.tolerance)}
+    text = json.dumps(data, indent=1) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}: {len(data['shapes'])} shapes", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
