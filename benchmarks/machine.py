@@ -151,6 +151,10 @@ def _driver() -> str:
 
 
 def _commit() -> str:
+    # Set by benchmarks/device_all.sh: the device tool copies the working tree,
+    # whose .git may still name an older HEAD.
+    if os.environ.get("SCALEDMM_COMMIT"):
+        return os.environ["SCALEDMM_COMMIT"]
     sha = _run(["git", "rev-parse", "--short=12", "HEAD"])
     if not sha:
         return os.environ.get("SCALEDMM_COMMIT", "unknown (no git checkout)")

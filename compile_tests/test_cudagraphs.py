@@ -263,10 +263,14 @@ def test_reduce_overhead_records_cuda_graphs(with_pass):
 
     model = SmallModel()
     p = sc.passes()
-    options = {"post_grad_custom_post_pass": p} if with_pass else {}
+    # mode="reduce-overhead" is options={"triton.cudagraphs": True}; torch.compile
+    # refuses mode and options together, and the pass goes in through options.
+    options = {"triton.cudagraphs": True}
+    if with_pass:
+        options["post_grad_custom_post_pass"] = p
     torch._dynamo.reset()
     counters.clear()
-    cm = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=True, options=options)
+    cm = torch.compile(model, fullgraph=True, dynamic=True, options=options)
     with torch.no_grad(), one_graph_for_all_m(), fresh_cache():  # a cache hit would skip the pass
         for m in ALIGNED_AND_NOT:
             for _ in range(3):  # warm-up run, recording run, replay

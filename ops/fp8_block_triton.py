@@ -48,6 +48,7 @@ from .fp8_block_triton_quant import (  # noqa: F401 - re-exported: ft.<name> kee
     _fix_interpreter_index,
     _fp8_mode,
     _next_pow2,
+    _num_sms,
     _pow2_ceil,
     _quant_kernel,
     _quant_rows,
@@ -121,11 +122,6 @@ def can_implement(p: Problem) -> tuple[bool, str]:
     if p.out_dtype not in V.FLOAT_OUT_DTYPES:
         return False, f"out_dtype bf16/fp16/fp32, got {p.out_dtype}"
     return True, "any M, N, K"
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 # ----------------------------------------------------------------------------

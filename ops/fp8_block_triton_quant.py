@@ -152,21 +152,22 @@ def _quant_rows(x, eps, UE8M0: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.c
 
 @triton.jit(do_not_specialize=["M", "stride_sm", "stride_sg"])
 def _quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, eps,
-                  GROUP: tl.constexpr, GP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-                  NUM_GROUPS: tl.constexpr, ROWS: tl.constexpr, UE8M0: tl.constexpr,
-                  SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+                  GROUP: tl.constexpr, GP: tl.constexpr, NUM_GROUPS: tl.constexpr, ROWS: tl.constexpr,
+                  UE8M0: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr):
+    # One tile row = one (token, group) pair of the flattened M x NUM_GROUPS
+    # grid of groups, so a program has ROWS groups whatever M is: M = 1 still
+    # spreads K / GROUP groups over many programs, large M gets wide tiles.
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tmask = t < M * NUM_GROUPS
+    row = (t // NUM_GROUPS).to(tl.int64)
+    g = t % NUM_GROUPS
     cols = tl.arange(0, GP)
-    rmask = rows < M
-    rows64 = rows.to(tl.int64)
-    for i in tl.static_range(GROUPS_PER_PROG):
-        g = tl.program_id(1) * GROUPS_PER_PROG + i
-        mask = rmask[:, None] & (cols < GROUP)[None, :] & (g < NUM_GROUPS)
-        k = g * GROUP + cols
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
-        q, s = _quant_rows(x.to(tl.float32), eps, UE8M0, SOFT_CVT, WIDEN, INTERPRET)
-        tl.store(q_ptr + rows64[:, None] * stride_qm + k[None, :], q, mask=mask)
-        tl.store(s_ptr + rows * stride_sm + g * stride_sg, s, mask=rmask & (g < NUM_GROUPS))
+    mask = tmask[:, None] & (cols < GROUP)[None, :]
+    k = (g * GROUP)[:, None] + cols[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_xm + k, mask=mask, other=0.0)
+    q, s = _quant_rows(x.to(tl.float32), eps, UE8M0, SOFT_CVT, WIDEN, INTERPRET)
+    tl.store(q_ptr + row[:, None] * stride_qm + k, q, mask=mask)
+    tl.store(s_ptr + row * stride_sm + g * stride_sg, s, mask=tmask)
 
 
 # ----------------------------------------------------------------------------
@@ -176,6 +177,30 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, strid
 
 def _next_pow2(v: int) -> int:
     return 1 << max(0, int(v) - 1).bit_length()
+
+
+# Groups per program at most (32 x 128 bf16 = 8 KiB in flight per program),
+# and the programs to aim for before tiles grow: 4 per SM.
+MAX_TILE_GROUPS = 32
+PROGRAMS_PER_SM = 4
+
+
+def quant_tile(num_groups: int, gp: int, device: torch.device) -> tuple[int, int]:
+    """``(groups per program, num_warps)`` for ``num_groups`` groups of ``gp``
+    (padded) elements: tiles grow up to ``MAX_TILE_GROUPS`` only once there
+    are ``PROGRAMS_PER_SM`` programs per SM, so small M keeps every SM busy
+    and large M moves wide tiles; about 16 elements per thread."""
+    sms = _num_sms(device)
+    rows = _next_pow2(max(1, num_groups // (PROGRAMS_PER_SM * sms)))
+    rows = max(1, min(rows, MAX_TILE_GROUPS, max(1, 4096 // gp)))
+    warps = max(1, min(8, rows * gp // 512))
+    return rows, warps
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """SM count (4 for interpreter runs on the CPU: small grids, several tiles)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _device_guard(device: torch.device):
@@ -191,13 +216,14 @@ def _bytes_view(t: torch.Tensor, widen: bool) -> torch.Tensor:
 
 def per_token_group_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1e-10,
                           column_major_scales: bool = False, scale_ue8m0: bool = False,
-                          tma_aligned: bool = False, block_rows: int | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          tma_aligned: bool = False, block_rows: int | None = None,
+                          num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (bf16/fp16/fp32 ``[M, K]``, any row stride) per 1 x
     ``group_size`` group to e4m3 codes ``[M, K]`` and fp32 scales ``[M, K /
     group_size]``: the op ``per_token_group_quant_fp8``, plus ``tma_aligned``
     (with ``column_major_scales``: scale strides ``(1, round_up(M, 4))``) and
-    ``block_rows`` (rows per program, a tuning knob).
+    the tuning knobs ``block_rows`` (groups per program, a power of two) and
+    ``num_warps`` (default: :func:`quant_tile`).
 
     Examples
     --------
@@ -215,12 +241,11 @@ def per_token_group_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1
         return q, s
     soft, widen = _fp8_mode(x.device)
     gp = _next_pow2(group_size)
-    rows = block_rows or min(16, _next_pow2(m), max(1, 4096 // gp))
-    per_prog = max(1, min(g, 4096 // (rows * gp)))
-    grid = (triton.cdiv(m, rows), triton.cdiv(g, per_prog))
+    rows, warps = quant_tile(m * g, gp, x.device) if block_rows is None else (block_rows, num_warps or 4)
+    grid = (triton.cdiv(m * g, rows),)
     with _device_guard(x.device):
         _quant_kernel[grid](
             x, _bytes_view(q, widen), s, m, x.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
-            GROUP=group_size, GP=gp, GROUPS_PER_PROG=per_prog, NUM_GROUPS=g, ROWS=rows,
-            UE8M0=bool(scale_ue8m0), SOFT_CVT=soft, WIDEN=widen, INTERPRET=_INTERPRET, num_warps=4)
+            GROUP=group_size, GP=gp, NUM_GROUPS=g, ROWS=rows,
+            UE8M0=bool(scale_ue8m0), SOFT_CVT=soft, WIDEN=widen, INTERPRET=_INTERPRET, num_warps=num_warps or warps)
     return q, s

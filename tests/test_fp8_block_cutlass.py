@@ -359,7 +359,9 @@ def test_configs_odd_shapes_and_layouts(cfg, m, n, kb, layout, row_pad, b_scale_
 
 
 @requires_sm90
-@pytest.mark.parametrize("out_dtype, tol", [(torch.float16, 2e-3), (torch.float32, 1e-5)])
+# fp32 out: the FP8 WGMMA accumulates each 128-deep block with fewer than fp32's
+# mantissa bits (measured 1.3e-4 relative on the H200), so 5e-4 and not 1e-5.
+@pytest.mark.parametrize("out_dtype, tol", [(torch.float16, 2e-3), (torch.float32, 5e-4)])
 @pytest.mark.parametrize("name", ["coop128x128_c1x2", "swap_coop128x32_c1x1_sfs_sk"])
 def test_out_dtypes(name, out_dtype, tol):
     a, b, sa, sb = inputs(64, 576, 1024, "cuda")

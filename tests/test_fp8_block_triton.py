@@ -164,15 +164,18 @@ def _codegen_main() -> None:
             x = torch.empty(64, 512, dtype=torch.bfloat16)
             q = T._bytes_view(torch.empty(64, 512, dtype=torch.float8_e4m3fn), widen)
             kern = T._quant_kernel.warmup(
-                x, q, torch.empty(64, 4), 64, 512, 512, 4, 1, 1e-10, GROUP=128, GP=128, GROUPS_PER_PROG=2,
+                x, q, torch.empty(64, 4), 64, 512, 512, 4, 1, 1e-10, GROUP=128, GP=128,
                 NUM_GROUPS=4, ROWS=16, UE8M0=ue8m0, SOFT_CVT=soft, WIDEN=widen, INTERPRET=False, num_warps=4, grid=(1,))
             ptx = kern.asm["ptx"]
             line = f"sm{cap} quant ue8m0={ue8m0} {usage(kern)}"
+            if not soft:  # 16 B per thread: the bf16 loads must be vectorized
+                want_vec = "ld.global.v4" in ptx
             print(line)
             want = [("div.rn.f32", "div.rn.f32" in ptx), ("no div.full", "div.full" not in ptx),
                     ("no lg2.approx", "lg2.approx" not in ptx or not ue8m0)]
             if not soft:
                 want.append(("cvt e4m3 RNE", "cvt.rn.satfinite.e4m3x2.f32" in ptx))
+                want.append(("16-byte loads", want_vec))
             failures += [f"{line}: missing {what}" for what, ok in want if not ok]
         T._quant_kernel.device_caches.clear()
         ws, out = torch.empty(4, 3, 2112), torch.empty(3, 2112, dtype=torch.bfloat16)
