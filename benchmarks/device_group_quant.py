@@ -24,7 +24,7 @@ from benchmarks import timing  # noqa: E402
 from scaledmm.ops import fp8_block as base  # noqa: E402
 from scaledmm.ops import fp8_block_triton_quant as Q  # noqa: E402
 
-TILES = [(8, 2), (16, 4), (32, 4), (32, 8), (64, 8)]
+TILES = [(4, 1), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 8)]
 MS = (1, 3, 16, 128, 4096)
 
 

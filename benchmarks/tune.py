@@ -11,11 +11,15 @@ measured M, the family's backends are ranked by their median time:
   forced onto it): the padding copy is paid in the measurement, so auto never
   ranks a padded path above an unpadded one that was faster.
 
-Neighbouring M whose ranking is the same (or whose winner is within
-``--tolerance`` of the previous winner, which keeps timing noise from
-splitting buckets) merge into one ``[max_m, order]`` row; the last row also
-covers every larger M.  An M between two measured values uses the row of the
-next larger one.  ``scaledmm.backends.load_auto_table`` reads the result.
+Rows come from the M that are multiples of 4: neighbouring M whose ranking
+is the same (or whose winner is within ``--tolerance`` of the previous
+winner, which keeps timing noise from splitting buckets) merge into one
+``[max_m, order]`` row; the last row also covers every larger M, and an M
+between two measured values uses the row of the next larger one.  A measured
+M that is not a multiple of 4 gets a row of its own only where its ranking
+(padding included) differs.  ``padded_fp8_block_mm`` reads the table at the
+caller's M (``scaledmm.backends.select(..., table_m=M)``);
+``scaledmm.backends.load_auto_table`` loads the result.
 
 Examples
 --------
@@ -82,31 +86,64 @@ def rank_points(rows: list[dict], op: str) -> dict[tuple[int, int], dict[int, li
     return dict(out)
 
 
-def build_table(ranked: dict[tuple[int, int], dict[int, list[tuple[str, float]]]],
-                tolerance: float = 0.03) -> dict[str, list[list]]:
-    """Merge per-M rankings into ``{"NxK": [[max_m, [names]], ...]}`` rows.
+def _merge(points: dict[int, list[tuple[str, float]]], ms: list[int], tolerance: float) -> list[list]:
+    """``[max_m, order]`` rows over the measured ``ms`` (ascending), merging
+    neighbours whose ranking agrees (or whose previous winner is within
+    ``tolerance`` of the point's best); the last row covers every larger M."""
+    rows: list[list] = []
+    for m in ms:
+        order = [b for b, _ in points[m]]
+        best = points[m][0][1]
+        if rows:
+            prev = rows[-1][1]
+            t_prev = dict(points[m]).get(prev[0])
+            same = [b for b in prev if b in order] == order
+            if same or (t_prev is not None and t_prev <= best * (1 + tolerance)):
+                rows[-1][0] = m
+                # Backends not seen in the previous row keep their place at the end.
+                rows[-1][1] = prev + [b for b in order if b not in prev]
+                continue
+        rows.append([m, order])
+    if rows:
+        rows[-1][0] = LAST_M
+    return rows
 
-    A point keeps the previous row's order when that order's first backend is
-    within ``tolerance`` (relative) of this point's fastest time."""
+
+def build_table(ranked: dict[tuple[int, int], dict[int, list[tuple[str, float]]]],
+                tolerance: float = 0.03, align: int = 4) -> dict[str, list[list]]:
+    """Per-M rankings -> ``{"NxK": [[max_m, [names]], ...]}`` rows.
+
+    The rows come from the M that are multiples of ``align``; an M that is not
+    (where the ranking carries the cost of padding) gets a row of its own when
+    its winner is more than ``tolerance`` faster than the order of the row it
+    falls in, so the unmeasured M around it keep the aligned ranking.  With
+    no aligned M measured, all points merge alike."""
     table: dict[str, list[list]] = {}
     for (n, k), points in sorted(ranked.items()):
-        rows: list[list] = []
-        for m in sorted(points):
-            order = [b for b, _ in points[m]]
-            best = points[m][0][1]
-            if rows:
-                prev = rows[-1][1]
-                t_prev = dict(points[m]).get(prev[0])
-                same = [b for b in prev if b in order] == order
-                if same or (t_prev is not None and t_prev <= best * (1 + tolerance)):
-                    rows[-1][0] = m
-                    # Backends not seen in the previous row keep their place at the end.
-                    rows[-1][1] = prev + [b for b in order if b not in prev]
+        aligned = [m for m in sorted(points) if m % align == 0]
+        if not aligned:
+            rows = _merge(points, sorted(points), tolerance)
+        else:
+            rows = _merge(points, aligned, tolerance)
+            for u in sorted(m for m in points if m % align):
+                i = next(j for j, (max_m, _) in enumerate(rows) if u <= max_m)
+                lo = rows[i - 1][0] if i else 0
+                order = rows[i][1]
+                times = dict(points[u])
+                best_name, best = points[u][0]
+                t_row = next((times[b] for b in order if b in times), None)
+                if t_row is not None and t_row <= best * (1 + tolerance):
                     continue
-            rows.append([m, order])
-        if rows:
-            rows[-1][0] = LAST_M
-            table[f"{n}x{k}"] = rows
+                own = [b for b, _ in points[u]] + [b for b in order if b not in times]
+                rows[i:i] = ([[u - 1, order]] if u - 1 > lo else []) + [[u, own]]
+        merged: list[list] = []
+        for max_m, order in rows:  # neighbours that ended up with the same order
+            if merged and merged[-1][1] == order:
+                merged[-1][0] = max_m
+            else:
+                merged.append([max_m, order])
+        if merged:
+            table[f"{n}x{k}"] = merged
     return table
 
 

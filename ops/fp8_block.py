@@ -27,8 +27,13 @@ ALIGN_M = 4  # what the cutlass and cublas backends need
 
 
 def quant_outputs(x: torch.Tensor, group_size: int, eps: float, column_major_scales: bool,
-                  scale_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ``per_token_group_quant_fp8`` arguments and allocate (q, s)."""
+                  scale_ue8m0: bool, row_capacity: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``per_token_group_quant_fp8`` arguments and allocate (q, s).
+
+    ``row_capacity`` (real kernels, not fakes: same shape and strides): ``q``
+    is the first M rows of a buffer of ``round_up(M, ALIGN_M)`` rows, so
+    ``padded_fp8_block_mm`` can hand an aligned-only backend the padded
+    activation as a view (:func:`rows_view`) instead of copying it."""
     op = "per_token_group_quant_fp8"
     V.check_dtype(op, "x", x, V.ACT_DTYPES)
     V.check_rank(op, "x", x, 2)
@@ -39,7 +44,10 @@ def quant_outputs(x: torch.Tensor, group_size: int, eps: float, column_major_sca
     if not eps > 0:
         V.fail(op, "eps", "a positive float", eps)
     m, k = x.shape
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    if row_capacity:
+        q = torch.empty((V.round_up(m, ALIGN_M), k), dtype=FP8_DTYPE, device=x.device)[:m]
+    else:
+        q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     g = k // group_size
     if column_major_scales:
         s = torch.empty((g, m), dtype=torch.float32, device=x.device).t()
@@ -117,7 +125,7 @@ def reference_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1e-10,
                     column_major_scales: bool = False, scale_ue8m0: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """SPEC math: s = max(amax, eps) / 448 (ue8m0: 2**ceil(log2 s)); q = e4m3(clamp(x / s))."""
-    q, s = quant_outputs(x, group_size, eps, column_major_scales, scale_ue8m0)
+    q, s = quant_outputs(x, group_size, eps, column_major_scales, scale_ue8m0, row_capacity=True)
     m, k = x.shape
     xg = x.float().reshape(m, k // group_size, group_size)
     amax = xg.abs().amax(dim=-1) if k else xg.new_zeros((m, 0))
@@ -315,18 +323,37 @@ def _mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bf
                a, b, a_scales, b_scales, block_size, out_dtype)
 
 
+def rows_view(a: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """``a`` seen with ``rows`` rows (same strides) when its storage holds
+    them, else None.  The rows past ``a.shape[0]`` hold whatever the buffer
+    holds; a GEMM keeps rows apart, so they only reach output rows that the
+    padded op drops."""
+    if a.dim() != 2 or a.stride(1) != 1 or rows <= a.shape[0]:
+        return None
+    needed = a.storage_offset() + (rows - 1) * a.stride(0) + a.shape[1]
+    if needed * a.element_size() > a.untyped_storage().nbytes():
+        return None
+    return a.as_strided((rows, a.shape[1]), a.stride())
+
+
 def pad_rows(a: torch.Tensor, a_scales: torch.Tensor, multiple: int = ALIGN_M):
-    """Zero rows appended to ``a`` (and scale-1.0 rows to ``a_scales``, in the
-    same layout) up to a multiple of ``multiple`` rows."""
+    """``a`` and ``a_scales`` with M rounded up to ``multiple`` rows: the
+    activation as a view when its buffer has the rows (what our quantizers
+    allocate), else a copy whose added rows are zero; scale rows added as
+    1.0, in the layout given (column-major stays column-major)."""
     m = a.shape[0]
     mp = V.round_up(m, multiple)
-    a_p = a.new_zeros((mp, a.shape[1]))
-    a_p[:m] = a
+    a_p = rows_view(a, mp)
+    if a_p is None:
+        a_p = a.new_empty((mp, a.shape[1]))
+        a_p[:m] = a
+        a_p[m:].zero_()
     if a_scales.stride(0) == 1 and a_scales.stride(1) != 1:  # column-major stays column-major
-        s_p = a_scales.new_ones((a_scales.shape[1], mp)).t()
+        s_p = a_scales.new_empty((a_scales.shape[1], mp)).t()
     else:
-        s_p = a_scales.new_ones((mp, a_scales.shape[1]))
+        s_p = a_scales.new_empty((mp, a_scales.shape[1]))
     s_p[:m] = a_scales
+    s_p[m:] = 1.0
     return a_p, s_p
 
 
@@ -338,7 +365,9 @@ def _padded_mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=t
     col = check_mm_args("padded_fp8_block_mm", a, b, a_scales, b_scales, block_size, out_dtype)
     m = a.shape[0]
     mp = V.round_up(m, ALIGN_M)
-    backend = backends.select(problem(a, b, block_size, out_dtype, col, m=mp), "fp8_block_mm")
+    # Backends are checked at the padded M but ranked at the real one: the
+    # measured table's rows for M % 4 != 0 include the cost of padding.
+    backend = backends.select(problem(a, b, block_size, out_dtype, col, m=mp), "fp8_block_mm", table_m=m)
     mm = backend.impls["fp8_block_mm"]
     if mp == m or backend.needs_m_multiple == 1:
         return mm(a, b, a_scales, b_scales, block_size, out_dtype)
@@ -362,9 +391,12 @@ def composite_linear(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bflo
     """fp8_block_linear as two ops (quantize, then GEMM in fp32 + bias)."""
     # column-major scales: what cuBLASLt and CUTLASS read (Triton reads both)
     q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, block_size[1], 1e-10, True)
+    # M % 4 != 0: the padded op, which views q's spare rows (no copy) for an
+    # aligned-only backend when the table ranks one first.
+    mm = torch.ops.scaledmm.dynamic_padded_fp8_block_mm
     if bias is None:
-        return torch.ops.scaledmm.fp8_block_mm(q, b, s, b_scales, block_size, out_dtype)
-    out = torch.ops.scaledmm.fp8_block_mm(q, b, s, b_scales, block_size, torch.float32)
+        return mm(q, b, s, b_scales, block_size, out_dtype)
+    out = mm(q, b, s, b_scales, block_size, torch.float32)
     return (out + bias.float()).to(out_dtype)
 
 

@@ -69,7 +69,8 @@ MODES = (STATIC, PER_TOKEN, PER_TENSOR)
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Programs (and partial maxima) of the per-tensor amax pass: enough to keep
 # every SM of an H200 busy (132 SMs x 4), few enough that each program of the
-# second pass reduces the partials from L2 in one 2 KB load.
+# second pass reduces the partials from L2 in one 2 KB load.  The second pass
+# always loads AMAX_PROGRAMS lanes (masked), so its kernel does not depend on M.
 AMAX_PROGRAMS = 512
 
 # ----------------------------------------------------------------------------
@@ -170,9 +171,9 @@ def default_config(mode: str, m: int, k: int) -> QuantConfig:
     """The config ``quant`` uses for ``mode`` and an ``[m, k]`` input.
 
     Static / per-tensor: small M gets narrow tiles (many programs across K),
-    large M 8 x 1024 tiles (32 elements a thread).  Per-token: one row per
-    program, its whole row in registers up to K = 8192, rows of up to 4 K
-    when K is small.
+    large M 8 x 1024 tiles (32 elements a thread).  Per-token: whole rows in
+    registers up to K = 8192 (chunks of 8192 beyond), one row per program, or
+    up to 8 rows of 2048 padded elements when K is small.
 
     Examples
     --------
@@ -261,7 +262,7 @@ def _scaled_kernel(x_ptr, q_ptr, s_ptr, so_ptr, part_ptr, M, K, stride_xm, strid
             tl.store(so_ptr, s)
         q = _to_e4m3(x.to(tl.float32), s, SOFT_CVT, WIDEN)
     elif ROW_SCALE:
-        s = tl.load(s_ptr + rows * stride_sm, mask=rmask, other=1.0)
+        s = tl.load(s_ptr + rows64 * stride_sm, mask=rmask, other=1.0)
         if pid_k == 0:
             tl.store(so_ptr + rows, s, mask=rmask)
         q = _to_e4m3(x.to(tl.float32), s[:, None], SOFT_CVT, WIDEN)
@@ -402,7 +403,8 @@ def quant(x: torch.Tensor, scale: torch.Tensor | None = None, per_token: bool = 
                                 num_warps=nw)
         _scaled_kernel[(n_tiles,)](
             x, qv, s_out, s_out, part, m, k, x.stride(0), 0, tiles_k, n_tiles, n_part, floor,
-            BLOCK_M=bm, BLOCK_K=bk, ROW_SCALE=False, DYNAMIC=True, NP=_next_pow2(n_part), REVERSE=bool(reverse),
+            BLOCK_M=bm, BLOCK_K=bk, ROW_SCALE=False, DYNAMIC=True, NP=_next_pow2(AMAX_PROGRAMS),
+            REVERSE=bool(reverse),
             SOFT_CVT=soft, WIDEN=widen, num_warps=nw)
     return q, s_out
 

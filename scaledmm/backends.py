@@ -354,18 +354,20 @@ def load_auto_table(family: Family | str, path) -> None:
     set_auto_table(family, data["arch"], table)
 
 
-def auto_order(problem: Problem) -> list[str]:
+def auto_order(problem: Problem, table_m: int | None = None) -> list[str]:
     """The order automatic selection tries for ``problem``: a measured table
-    entry first (if any), then the device's priority list."""
+    entry first (if any, read at ``table_m`` or ``problem.m``), then the
+    device's priority list."""
     base = priority(problem.family, problem.device)
-    if not _AUTO_TABLES or problem.device.type != "cuda":
+    if not _AUTO_TABLES:
         return base
     table = _AUTO_TABLES.get((problem.family, arch_key(_device_key(problem.device))))
     rows = table.get((problem.n, problem.k)) if table else None
     if not rows:
         return base
+    m = problem.m if table_m is None else table_m
     for max_m, order in rows:
-        if problem.m <= max_m:
+        if m <= max_m:
             return order + [b for b in base if b not in order]
     return base
 
@@ -446,16 +448,21 @@ def _invalidate() -> None:
     _SELECTIONS.clear()
 
 
-def select(problem: Problem, op: str) -> Backend:
-    """The backend that runs ``op`` for ``problem`` (see :func:`_select`)."""
+def select(problem: Problem, op: str, table_m: int | None = None) -> Backend:
+    """The backend that runs ``op`` for ``problem`` (see :func:`_select`).
+
+    ``table_m``: the M at which the measured auto table is read, when it
+    differs from ``problem.m`` (the padded ops check backends against the
+    padded M but rank them at the caller's M, where the table holds the
+    measured cost of padding)."""
     name = requested(problem.family)
-    key = (problem, op, name)
+    key = (problem, op, name, table_m)
     try:
         backend = _SELECTIONS.get(key)
     except TypeError:  # an unhashable option value: no caching
         key, backend = None, None
     if backend is None:
-        backend = _select(problem, op, name)
+        backend = _select(problem, op, name, table_m)
         if key is not None:
             if len(_SELECTIONS) >= _SELECTIONS_MAX:
                 _SELECTIONS.clear()
@@ -466,7 +473,7 @@ def select(problem: Problem, op: str) -> Backend:
     return backend
 
 
-def _select(problem: Problem, op: str, name: str | None) -> Backend:
+def _select(problem: Problem, op: str, name: str | None, table_m: int | None = None) -> Backend:
     """The backend that runs ``op`` for ``problem``.
 
     An explicit request (see :func:`use_backend`) is honoured or raises
@@ -495,7 +502,7 @@ def _select(problem: Problem, op: str, name: str | None) -> Backend:
             raise RuntimeError(f"backend {fam.value}/{name} was requested but cannot run: {why}")
         return backend
     reasons = []
-    for cand in auto_order(problem):
+    for cand in auto_order(problem, table_m):
         backend = _REGISTRY[fam].get(cand)
         if backend is None or op not in backend.impls:
             continue

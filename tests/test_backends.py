@@ -155,8 +155,10 @@ def test_measured_auto_table_orders_then_falls_back(monkeypatch):
     fam = Family.FP8_BLOCK
     monkeypatch.setattr(backends, "_AUTO_TABLES", {})
     backends.set_auto_table(fam, "cpu", {(64, 128): [(16, ["t_x"]), (128, ["composite"])]})
-    # tables apply to GPUs only: on the CPU the priority list stands
-    assert backends.auto_order(_problem(m=4, n=64)) == backends.priority(fam, "cpu")
+    # a table applies to the arch it was measured on (any device type)
+    assert backends.auto_order(_problem(m=4, n=64)) == ["t_x"] + backends.priority(fam, "cpu")
+    assert backends.auto_order(_problem(m=4, n=64), table_m=17)[0] == "composite"
+    assert backends.auto_order(_problem(m=4, n=64), table_m=129) == backends.priority(fam, "cpu")
     monkeypatch.setattr(backends, "arch_key", lambda d: "sm90")
     monkeypatch.setattr(backends, "_device_key", lambda d: d)
     monkeypatch.setattr(backends, "priority", lambda f, d: ["cublas", "triton", "reference"])

@@ -346,3 +346,20 @@ def test_tune_cli_writes_json(tmp_path):
     empty = tmp_path / "empty.csv"
     empty.write_text("op,n,k,m,provider,kind,status,median_us\n")
     assert tune.main([str(empty)]) == 1
+
+
+def test_tune_unaligned_points_get_their_own_rows_only_where_they_differ():
+    from benchmarks import tune
+
+    pts = {}
+    # aligned: cublas wins from 1024 on; 4095: padding cublas costs more than triton unpadded;
+    # 1023: padding is cheap, the aligned order holds.
+    for m, (t, c, pc) in {256: (20, 25, None), 1023: (60, None, 41), 1024: (58, 40, None),
+                          4095: (150, None, 160), 4096: (148, 110, None)}.items():
+        pts[(m, "triton")] = t
+        pts[(m, "cublas")] = math.nan if c is None else c
+        if pc is not None:
+            pts[(m, "pad4_cublas")] = pc
+    table = tune.build_table(tune.rank_points(_tune_rows(pts), "fp8_block_mm"), tolerance=0.03)
+    assert table == {"2112x7168": [[256, ["triton", "cublas"]], [4094, ["cublas", "triton"]],
+                                   [4095, ["triton", "cublas"]], [tune.LAST_M, ["cublas", "triton"]]]}

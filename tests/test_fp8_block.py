@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import scaledmm
+from scaledmm import backends
 from helpers import FP8, opcheck, poison_, rel_err
 from scaledmm.ops import fp8_block as ops
 
@@ -209,6 +210,54 @@ def test_padded_ops_pad_with_unit_scale_rows():
     a_p, s_p = ops.pad_rows(a, sa)
     assert s_p.stride() == (1, 8) and (s_p[5:] == 1).all()
     torch.testing.assert_close(s_p[:5], sa, rtol=0, atol=0)
+
+
+def test_quantizer_leaves_room_for_padding_and_pad_rows_views_it():
+    x = torch.randn(5, 256)
+    q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, 128, 1e-10, True)
+    assert q.shape == (5, 256) and q.stride() == (256, 1) and q.untyped_storage().nbytes() >= 8 * 256
+    a_p, s_p = ops.pad_rows(q, s)
+    assert a_p.shape == (8, 256) and a_p.data_ptr() == q.data_ptr()  # a view: no copy of q
+    assert torch.equal(a_p[:5].view(torch.uint8), q.view(torch.uint8))
+    assert s_p.stride() == (1, 8) and (s_p[5:] == 1).all() and torch.equal(s_p[:5], s)
+    # no spare rows (a tensor of exactly M rows): copied, zero rows added
+    tight = q.clone()
+    a_p, _ = ops.pad_rows(tight, s)
+    assert a_p.data_ptr() != tight.data_ptr() and (a_p[5:].float() == 0).all()
+    assert ops.rows_view(tight, 8) is None and ops.rows_view(q, 4) is None
+
+
+def test_padded_op_reads_the_table_at_the_callers_m():
+    """A measured table row for M = 3 (padding included) beats the aligned
+    ranking of M = 4: the padded op ranks at 3 and checks at 4."""
+    seen = []
+
+    def aligned(a, b, sa, sb, bs, od):
+        seen.append(a.shape[0])
+        return ops.reference_mm(a, b, sa, sb, bs, od)
+
+    backends.register(backends.Backend(backends.Family.FP8_BLOCK, "t_al", {"fp8_block_mm": aligned},
+                                       needs_m_multiple=4,
+                                       can_implement=lambda p: (p.m % 4 == 0, "M % 4")))
+    old = backends.priority("fp8_block", "cpu")
+    saved = dict(backends._AUTO_TABLES)
+    try:
+        backends.set_priority("fp8_block", "cpu", ["t_al", "reference"])
+        backends.set_auto_table("fp8_block", "cpu", {(32, 128): [(2, ["t_al"]), (3, ["reference"]),
+                                                                 (8, ["t_al"])]})
+        b = torch.randn(32, 128).to(torch.float8_e4m3fn)
+        for m, want in ((2, [4]), (3, []), (5, [8])):
+            seen.clear()
+            x = torch.randn(m, 128)
+            q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, 128, 1e-10, True)
+            out = torch.ops.scaledmm.padded_fp8_block_mm(q, b, s, torch.ones(1, 1))
+            assert seen == want, (m, seen)
+            torch.testing.assert_close(out, ops.reference_mm(q, b, s, torch.ones(1, 1), [128, 128], out.dtype))
+    finally:
+        backends._AUTO_TABLES.clear()
+        backends._AUTO_TABLES.update(saved)
+        backends.set_priority("fp8_block", "cpu", old)
+        backends.unregister("fp8_block", "t_al")
 
 
 def test_mm_bad_inputs():

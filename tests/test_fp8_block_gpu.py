@@ -134,6 +134,39 @@ def test_padded_weight_scales_and_nan_rows(name):
     assert out[5].isnan().all() and not out[torch.arange(68, device="cuda") != 5].isnan().any()
 
 
+@pytest.mark.parametrize("name", [n for n in _mm_backends() if backends.get("fp8_block", n).needs_m_multiple > 1])
+@pytest.mark.parametrize("m", [1, 3, 17, 1023])
+def test_padded_op_views_the_quantizers_spare_rows(name, m):
+    """An activation from our quantizer has room for round_up(M, 4) rows: the
+    padded op hands the aligned-only backend a view (garbage rows past M, whose
+    outputs it drops), not a copy; results equal a zero-padded copy's."""
+    n, k = 2112, 7168
+    b, bs, b64 = weights(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+    q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, 128, 1e-10, True)
+    assert base.rows_view(q, base.V.round_up(m, 4)) is not None
+    seen = []
+    impl = backends.get("fp8_block", name).impls["fp8_block_mm"]
+
+    def spy(a, *args):
+        seen.append(a.data_ptr())
+        return impl(a, *args)
+
+    mp = base.V.round_up(m, 4)
+    raw = torch.empty(0, dtype=torch.uint8, device="cuda").set_(q.untyped_storage())
+    raw[q.numel():].fill_(0x7F)  # NaN codes in the spare rows: must not leak into rows < M
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setitem(backends.get("fp8_block", name).impls, "fp8_block_mm", spy)
+        backends._invalidate()
+        out = run_backend(name, q, b, s, bs)
+        out_tight = run_backend(name, q.clone(), b, s, bs)
+    backends._invalidate()
+    assert seen[0] == q.data_ptr() and seen[1] != q.data_ptr() and mp > m
+    assert not out.isnan().any()
+    assert rel_err(out, ref64(q, s, b64)) < 4e-3
+    assert torch.equal(out, out_tight)
+
+
 @pytest.mark.parametrize("name", _mm_backends())
 @pytest.mark.parametrize("m", [1, 3, 4, 64])
 def test_cuda_graph_capture(name, m):
