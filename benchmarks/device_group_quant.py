@@ -24,7 +24,7 @@ from benchmarks import timing  # noqa: E402
 from scaledmm.ops import fp8_block as base  # noqa: E402
 from scaledmm.ops import fp8_block_triton_quant as Q  # noqa: E402
 
-TILES = [(4, 1), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 8)]
+TILES = [(8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8)]
 MS = (1, 3, 16, 128, 4096)
 
 
@@ -45,22 +45,26 @@ def main() -> int:
             for col, ue in ((False, False), (True, False), (True, True)):
                 qr, sr = base.reference_quant(x.cpu(), 128, 1e-10, col, ue)
                 for tile in [None] + TILES:
-                    kw = {} if tile is None else dict(block_rows=tile[0], num_warps=tile[1])
-                    q, s = Q.per_token_group_quant(x, 128, 1e-10, col, ue, **kw)
-                    if not (torch.equal(q.view(torch.uint8).cpu(), qr.view(torch.uint8)) and torch.equal(s.cpu(), sr)):
-                        bad.append(f"M={m} K={k} col={col} ue8m0={ue} tile={tile}")
+                    for order in (True, False):
+                        kw = {} if tile is None else dict(block_rows=tile[0], num_warps=tile[1])
+                        q, s = Q.per_token_group_quant(x, 128, 1e-10, col, ue, token_minor=order, **kw)
+                        if not (torch.equal(q.view(torch.uint8).cpu(), qr.view(torch.uint8))
+                                and torch.equal(s.cpu(), sr)):
+                            bad.append(f"M={m} K={k} col={col} ue8m0={ue} tile={tile} token_minor={order}")
         for m in MS:
             xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in range(timing.copies_for(m * k * 3, tcfg))]
             nbytes = m * k * 3 + m * (k // 128) * 4
             cast = timing.measure([lambda xi=xi: xi.to(torch.float8_e4m3fn) for xi in xs], dev, tcfg).median_us
             default = Q.quant_tile(m * (k // 128), 128, dev)
             for tile in [None] + TILES:
-                kw = {} if tile is None else dict(block_rows=tile[0], num_warps=tile[1])
-                us = timing.measure([lambda xi=xi: Q.per_token_group_quant(xi, 128, 1e-10, True, **kw) for xi in xs],
-                                    dev, tcfg).median_us
-                bw = nbytes / (us * 1e-6)
-                rows.append(dict(m=m, k=k, tile=str(tile or f"default{default}"), us=us, cast_us=cast,
-                                 pct_copy=100 * bw / copy_bw))
+                for order in (True, False):  # column-major scales: token-minor (default) or group-minor walk
+                    kw = {} if tile is None else dict(block_rows=tile[0], num_warps=tile[1])
+                    us = timing.measure([lambda xi=xi: Q.per_token_group_quant(xi, 128, 1e-10, True, token_minor=order,
+                                                                               **kw) for xi in xs],
+                                        dev, tcfg).median_us
+                    bw = nbytes / (us * 1e-6)
+                    label = str(tile or f"default{default}") + (" tok" if order else " grp")
+                    rows.append(dict(m=m, k=k, tile=label, us=us, cast_us=cast, pct_copy=100 * bw / copy_bw))
             del xs
     print(f"\n{'M':>5} {'K':>5} {'tile':>18} {'us':>8} {'cast us':>8} {'% copy':>7}")
     for r in rows:

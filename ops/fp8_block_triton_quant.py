@@ -153,14 +153,22 @@ def _quant_rows(x, eps, UE8M0: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.c
 @triton.jit(do_not_specialize=["M", "stride_sm", "stride_sg"])
 def _quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, eps,
                   GROUP: tl.constexpr, GP: tl.constexpr, NUM_GROUPS: tl.constexpr, ROWS: tl.constexpr,
-                  UE8M0: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr):
+                  TOKEN_MINOR: tl.constexpr, UE8M0: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     # One tile row = one (token, group) pair of the flattened M x NUM_GROUPS
     # grid of groups, so a program has ROWS groups whatever M is: M = 1 still
     # spreads K / GROUP groups over many programs, large M gets wide tiles.
+    # TOKEN_MINOR (column-major scales): consecutive tile rows are consecutive
+    # tokens of one group, so the ROWS scales of a program are one contiguous
+    # store instead of ROWS stores M * 4 bytes apart.
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     tmask = t < M * NUM_GROUPS
-    row = (t // NUM_GROUPS).to(tl.int64)
-    g = t % NUM_GROUPS
+    if TOKEN_MINOR:
+        row = (t % M).to(tl.int64)
+        g = t // M
+    else:
+        row = (t // NUM_GROUPS).to(tl.int64)
+        g = t % NUM_GROUPS
     cols = tl.arange(0, GP)
     mask = tmask[:, None] & (cols < GROUP)[None, :]
     k = (g * GROUP)[:, None] + cols[None, :]
@@ -217,13 +225,15 @@ def _bytes_view(t: torch.Tensor, widen: bool) -> torch.Tensor:
 def per_token_group_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1e-10,
                           column_major_scales: bool = False, scale_ue8m0: bool = False,
                           tma_aligned: bool = False, block_rows: int | None = None,
-                          num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          num_warps: int | None = None, token_minor: bool | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (bf16/fp16/fp32 ``[M, K]``, any row stride) per 1 x
     ``group_size`` group to e4m3 codes ``[M, K]`` and fp32 scales ``[M, K /
     group_size]``: the op ``per_token_group_quant_fp8``, plus ``tma_aligned``
     (with ``column_major_scales``: scale strides ``(1, round_up(M, 4))``) and
-    the tuning knobs ``block_rows`` (groups per program, a power of two) and
-    ``num_warps`` (default: :func:`quant_tile`).
+    the tuning knobs ``block_rows`` (groups per program, a power of two),
+    ``num_warps`` (default: :func:`quant_tile`) and ``token_minor`` (walk
+    tokens fastest; default: with column-major scales).
 
     Examples
     --------
@@ -247,5 +257,5 @@ def per_token_group_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1
         _quant_kernel[grid](
             x, _bytes_view(q, widen), s, m, x.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
             GROUP=group_size, GP=gp, NUM_GROUPS=g, ROWS=rows,
-            UE8M0=bool(scale_ue8m0), SOFT_CVT=soft, WIDEN=widen, INTERPRET=_INTERPRET, num_warps=num_warps or warps)
+            TOKEN_MINOR=bool(column_major_scales) if token_minor is None else token_minor, UE8M0=bool(scale_ue8m0), SOFT_CVT=soft, WIDEN=widen, INTERPRET=_INTERPRET, num_warps=num_warps or warps)
     return q, s

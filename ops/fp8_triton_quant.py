@@ -170,27 +170,33 @@ def config_ok(cfg: QuantConfig) -> tuple[bool, str]:
 def default_config(mode: str, m: int, k: int) -> QuantConfig:
     """The config ``quant`` uses for ``mode`` and an ``[m, k]`` input.
 
-    Static / per-tensor: small M gets narrow tiles (many programs across K),
-    large M 8 x 1024 tiles (32 elements a thread).  Per-token: whole rows in
-    registers up to K = 8192 (chunks of 8192 beyond), one row per program, or
-    up to 8 rows of 2048 padded elements when K is small.
+    Measured on the H200 (``benchmarks/device_fp8_quant.py``, bf16, K = 7168
+    and 16384; NOTES.md "quant_fp8"): static scales 1 x 1024 tiles up to
+    M = 256 (many programs across K), 4 x 1024 beyond (26.0 us at 4096 x
+    7168 = 82% of copy); per-token dynamic whole rows of up to 8192 (16
+    warps) up to M = 256 or K = 4096, then 1024-wide chunks (the row read
+    twice, the second time from L2: 34 us against 45 us one-pass at 4096 x
+    7168), 4096 for K > 8192; per-tensor dynamic 1 x 1024 up to M = 64, 2 x 1024 up to
+    512, 8 x 1024 beyond.
 
     Examples
     --------
     >>> from scaledmm.ops.fp8_triton_quant import default_config
     >>> default_config("per_token", 4096, 7168).label(), default_config("static", 1, 7168).label()
-    ('1x8192w8', '1x512w2')
+    ('1x1024w4', '1x1024w4')
     """
     if mode == PER_TOKEN:
-        bk = min(max(_next_pow2(k), 256), 8192)
-        bm = max(1, min(8, 2048 // bk, _next_pow2(m)))
-        return QuantConfig(bm, bk, max(1, min(8, bm * bk // 1024)))
-    if m <= 4:
-        return QuantConfig(1, 512, 2)
+        if m <= 256 or k <= 4096:
+            bk = min(max(_next_pow2(k), 256), 8192)
+            bm = max(1, min(8, 2048 // bk, _next_pow2(m)))
+            return QuantConfig(bm, bk, 16 if bk == 8192 else max(1, min(8, bm * bk // 1024)))
+        return QuantConfig(1, 1024, 4) if k <= 8192 else QuantConfig(1, 4096, 8)
+    if mode == STATIC:
+        return QuantConfig(1, 1024, 4) if m <= 256 else QuantConfig(4, 1024, 4)
     if m <= 64:
         return QuantConfig(1, 1024, 4)
     if m <= 512:
-        return QuantConfig(4, 1024, 4)
+        return QuantConfig(2, 1024, 4)
     return QuantConfig(8, 1024, 8)
 
 

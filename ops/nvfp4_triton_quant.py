@@ -1,4 +1,4 @@
-"""NVFP4 quantizer Triton kernel: ``nvfp4_quant`` of backend ``triton`` of the
+"""NVFP4 quantizer Triton kernels: ``nvfp4_quant`` of backend ``triton`` of the
 ``nvfp4`` family (SPEC.md "NVFP4"), bit-identical to SPEC's rule.
 
 ``x -> (packed e2m1 codes, e4m3 block scales)`` in one launch, for any sm80+
@@ -10,10 +10,35 @@ Read top to bottom:
 
 1. capability check (``_hw_e4m3``: hardware e4m3 conversions on sm89+; the
    GEMM module's scale decoder uses it too);
-2. the config space: :class:`QuantConfig`, its one validity predicate
-   :func:`quant_config_ok`, ``DEFAULT_QUANT`` and ``QUANT_CANDIDATES``;
-3. the quantizer kernel;
-4. its launcher :func:`quant`.
+2. the config space: :class:`QuantConfig` (tile and kernel ``variant``), its
+   one validity predicate :func:`quant_config_ok`, ``DEFAULT_QUANT`` and
+   ``QUANT_CANDIDATES``;
+3. the kernels: the exact code rule they share, kernel ``split8`` (the first
+   one), the ``rows_*`` kernels;
+4. the launcher :func:`quant`.
+
+Where the time goes (sm90 SASS, offline compile; ``python
+benchmarks/device_nvfp4_quant.py --sass`` prints the table).  An H200 SM
+partition issues one instruction per clock, but its ALU pipe (integer,
+logic, FSETP/FSEL/FMNMX, conversions) takes one every two clocks, while FP32
+FMUL/FADD/FFMA (and IMAD) go to the FMA pipes at full rate.  At M=4096,
+K=7168 the bytes take ~18 us at copy speed, and every instruction per element
+costs ~0.9 us of issue (29.4 M elements / 32 lanes / 528 partitions /
+1.98 GHz), every ALU instruction per element ~1.8 us of ALU pipe:
+
+* ``split8`` (32x8 tile, 3-D ``[rows, groups, 8]`` halves): Triton lays the
+  threads along *rows* (``threadsPerWarp = [32, 1, 1]``), so one warp load
+  touches 32 rows x 16 B (half sectors) and the 4-byte code stores are as
+  scattered; ~27 SASS instructions per element, ~19 of them ALU (~37 us of
+  ALU pipe): the measured 67 us.
+* ``rows_*``: a warp takes 32 consecutive blocks of one row (1 KB per load
+  instruction pair, 8-byte code stores), one thread per block of 16, rows
+  walked in a loop with the next row's loads issued before this row's math;
+  the block's codes are packed in fp32 accumulators (4 codes per 16 bits,
+  exact integers) and the signs placed by ``IMAD.HI`` (FMA pipe).
+  ``rows_pred``: FSETP/FSEL binary search (~9 ALU instructions per element,
+  ALU bound); ``rows_fma``: the same search with saturating FFMAs (below; ~2
+  ALU, ~15 issue per element).
 """
 
 from __future__ import annotations
@@ -42,55 +67,91 @@ def _hw_e4m3(device: torch.device) -> bool:
 # 2. Config space
 # ----------------------------------------------------------------------------
 
+#: Kernel variants (see the module docstring): the first kernel and two
+#: row-loop kernels that differ only in how they find the codes.
+VARIANTS = ("split8", "rows_pred", "rows_fma")
+
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    """Tile of one quantizer program: ``block_m`` rows x ``block_g`` blocks of 16."""
+    """Tile of one quantizer program: ``block_m`` rows x ``block_g`` blocks of
+    16, ``num_warps`` warps, kernel ``variant`` (one of :data:`VARIANTS`).
+
+    ``rows_*`` variants: one thread per block of 16, ``32 * num_warps //
+    block_g`` rows per loop step, ``block_m`` rows per program."""
 
     block_m: int = 32
     block_g: int = 8
     num_warps: int = 4
+    variant: str = "split8"
 
     def label(self) -> str:
-        return f"q{self.block_m}x{self.block_g}w{self.num_warps}"
+        tag = "" if self.variant == "split8" else f"-{self.variant}"
+        return f"q{self.block_m}x{self.block_g}w{self.num_warps}{tag}"
+
+    def rows_per_step(self) -> int:
+        return 32 * self.num_warps // self.block_g
 
 
 def quant_config_ok(cfg: QuantConfig) -> tuple[bool, str]:
     """The one validity predicate of the quantizer configs."""
+    if cfg.variant not in VARIANTS:
+        return False, f"variant must be one of {VARIANTS}, got {cfg.variant!r}"
     if not all(v > 0 and v & (v - 1) == 0 for v in (cfg.block_m, cfg.block_g, cfg.num_warps)):
         return False, "block_m, block_g and num_warps must be powers of two"
-    if cfg.block_m < 4 or cfg.block_g < 4 or cfg.block_m * cfg.block_g * 16 > 32768:
-        return False, "needs block_m, block_g >= 4 and <= 32768 elements per program"
+    if cfg.variant == "split8":
+        if cfg.block_m < 4 or cfg.block_g < 4 or cfg.block_m * cfg.block_g * 16 > 32768:
+            return False, "needs block_m, block_g >= 4 and <= 32768 elements per program"
+        return True, "ok"
+    if cfg.num_warps > 8 or not 8 <= cfg.block_g <= 32 * cfg.num_warps:
+        return False, "rows kernels: num_warps <= 8 and 8 <= block_g <= 32 * num_warps (one thread per block)"
+    if not cfg.rows_per_step() <= cfg.block_m <= 32:
+        # the swizzled scale offset advances by a constant inside 32 rows
+        return False, "rows kernels: 32 * num_warps / block_g <= block_m <= 32"
     return True, "ok"
 
 
-# 32 rows x 8 blocks, 4 warps: 32 elements (64 B of bf16) per thread, 92
-# registers.  The first H200 run gave 29% of copy bandwidth: the kernel is
-# issue bound (~26 SASS instructions per element, ~23 us of issue at M=4096,
-# K=7168 before stalls); 64x8 with 4 warps needs 230 registers (worse).  The
-# benchmark sweeps QUANT_CANDIDATES; the real fix is fewer instructions.
+# 32 rows x 8 blocks, 4 warps: 32 elements (64 B of bf16) per thread, 90
+# registers; the first H200 runs gave 27-29% of copy bandwidth (see the
+# module docstring for why).  Stays the default until a device run of
+# benchmarks/device_nvfp4_quant.py has checked the rows kernels bit for bit.
 DEFAULT_QUANT = QuantConfig(32, 8, 4)
-QUANT_CANDIDATES = (QuantConfig(32, 8, 4), QuantConfig(64, 8, 8), QuantConfig(16, 8, 2),
-                    QuantConfig(32, 4, 4))
+QUANT_CANDIDATES = (QuantConfig(32, 8, 4), QuantConfig(16, 8, 2), QuantConfig(32, 4, 4),
+                    QuantConfig(32, 32, 4, "rows_fma"), QuantConfig(32, 64, 4, "rows_fma"),
+                    QuantConfig(16, 32, 4, "rows_fma"), QuantConfig(32, 32, 4, "rows_pred"))
 
 
 # ----------------------------------------------------------------------------
-# 3. Quantizer kernel: x -> (packed e2m1 codes, e4m3 block scales)
+# 3. Kernels: x -> (packed e2m1 codes, e4m3 block scales)
 # ----------------------------------------------------------------------------
 #
 # SPEC: s = e4m3(gs * amax / 6) saturating; code = RNE_e2m1(clamp(v, -6, 6))
-# with v = fl(fl(x * gs) / s) in fp32.  The kernel computes s exactly so (one
-# fp32 division per block, then nearest-even e4m3), but finds the codes
-# without dividing.  The code steps up at the e2m1 midpoints T = 0.25, 0.75,
-# ..., 5: at v > T for the strict ones (0.25, 1.25, 2.5, 5: a tie stays on the
-# even code below) and at v >= T for the inclusive ones (0.75, 1.75, 3.5).
-# With y = fl(x * gs) and q = y / s the exact quotient, fl(q) >= T iff
+# with v = fl(fl(x * gs) / s) in fp32.  The kernels compute s exactly so (one
+# correctly rounded division per block, then nearest-even e4m3), but find the
+# codes without dividing.  The code steps up at the e2m1 midpoints T = 0.25,
+# 0.75, ..., 5: at v > T for the strict ones (0.25, 1.25, 2.5, 5: a tie stays
+# on the even code below) and at v >= T for the inclusive ones (0.75, 1.75,
+# 3.5).  With y = fl(x * gs) and q = y / s the exact quotient, fl(q) >= T iff
 # q >= T - ulp/2 and fl(q) > T iff q > T + ulp/2 (each T has an even last
 # bit, so fp32 ties land on T).  P = T * s is exact in fp32 (<= 7 significant
 # bits) and (ulp(T) / 2) * s lies strictly between 0 and the fp32 spacing
 # around P (P is never a power of two for the inclusive T), so for fp32 y:
-#     v >= T  <=>  y >= P          and          v > T  <=>  y >= nextup(P).
-# Bit-identical codes to the division, found with 3 compares per element.
+#     v >= T  <=>  y >= P          and          v > T  <=>  y > P (y >= nextup(P)).
+# Bit-identical codes to the division, found with 3 compares per element
+# (binary search: |y| >= 1.75 s, then 0.75 s or 3.5 s, then one strict T).
+#
+# rows_fma does the compares in the FMA pipe: with A = 2**40,
+# sat(A * (P - |y|)) is exactly [|y| < P] (one FFMA.SAT): A * |y| is exact,
+# and A times the gap between distinct fp32 values near any P >= 2**-11 (the
+# smallest threshold, 0.25 * 2**-9) is >= 32, so the rounded FFMA result is
+# <= 0, or >= 1.  The next threshold is an exact FFMA of the 0/1 result
+# (multiples of s with few bits), and each code bit is added into an fp32
+# accumulator holding 4 codes as an exact integer: 5 FFMA + 3 FFMA.SAT + 3
+# FFMA per element, no ALU instruction.  The block scale divides by 6 as
+# q0 = g * RN(1/6); v = fma(fma(q0, -6, g), RN(1/6), q0), correctly rounded
+# for every fp32 g (checked exhaustively over all mantissas, see
+# tests/test_nvfp4_triton.py) -- on the GPU; the interpreter's fma rounds
+# twice, so it divides (FAST_DIV=False).
 
 
 @triton.jit
@@ -116,6 +177,9 @@ def _e4m3_round(v):
     val = tl.where(small, val_s, val_n)
     nan = v != v
     return tl.where(nan, 0x7F, code), tl.where(nan, v, val)
+
+
+# ---- kernel "split8": [BLOCK_M, BLOCK_G, 8] halves, one thread per block ----
 
 
 @triton.jit
@@ -189,14 +253,246 @@ def _quant_kernel(x_ptr, gs_ptr, q_ptr, s_ptr, M, K, stride_xm, s_rows, s_cols, 
     tl.store(s_ptr + s_off.to(tl.int64), s_code.to(tl.uint8), mask=(r2 < s_rows) & (g2 < s_cols))
 
 
+# ---- kernels "rows_*": one thread per block, a loop over rows ----
+#
+# Inputs (INPUT): 0 = bf16 read as int32 words (two 16-B loads per block;
+# lo = w << 16, hi = w & 0xFFFF0000), 1 = any 16-bit dtype at any alignment,
+# 2 = fp32 (four 16-B loads).  A block is handled as 4 quads of 4 elements,
+# each quad's 4 codes as one 16-bit integer built in an fp32 accumulator that
+# starts at 2**23 (so its low 16 mantissa bits are the integer).  Signs: the
+# sign bits of an element pair (bits 15 and 31 of a bf16 word) go to nibble
+# bits 3 and 7 (or 11 and 15) with one IMAD.HI by 2**20 + 2**8 (2**28 +
+# 2**16); the stray bits land above bit 15 and are dropped.
+
+_MAGIC = tl.constexpr(8388608.0)            # 2**23
+_A = tl.constexpr(1099511627776.0)          # 2**40 (see "rows_fma" above)
+_RCP6 = tl.constexpr(0.16666666666666666)   # RN(1/6) once rounded to fp32
+
+
+@triton.jit
+def _rows_load(x_p, mask, INPUT: tl.constexpr):
+    """The block of 16 at each pointer of ``x_p``: two chunks, raw."""
+    m = mask[:, None]  # masked blocks stay undefined: their codes and scales are not used
+    if INPUT == 0:
+        p = x_p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, 4)[None, :]
+        a = tl.load(p, mask=m)
+        b = tl.load(p + 4, mask=m)
+    elif INPUT == 1:
+        p = x_p[:, None] + tl.arange(0, 8)[None, :]
+        a = tl.load(p, mask=m)
+        b = tl.load(p + 8, mask=m)
+    else:
+        p = x_p[:, None] + tl.arange(0, 4)[None, :]
+        a = tl.join(tl.load(p, mask=m), tl.load(p + 4, mask=m))
+        b = tl.join(tl.load(p + 8, mask=m), tl.load(p + 12, mask=m))
+    return a, b
+
+
+@triton.jit
+def _cols(t):
+    """The 4 columns of a ``[N, 4]`` tensor (in-thread: no data movement)."""
+    a, b = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))
+    c0, c2 = tl.split(a)
+    c1, c3 = tl.split(b)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _sign_word(lo, hi):
+    """Sign bits of an element pair at bits 15 and 31 (a bf16 word's)."""
+    return (((lo.to(tl.uint32, bitcast=True) >> 16) & 0x8000)
+            | (hi.to(tl.uint32, bitcast=True) & 0x80000000))
+
+
+@triton.jit
+def _unpack(c, INPUT: tl.constexpr):
+    """One chunk (8 elements) -> (lo_k, hi_k, sign word_k) for its 4 pairs,
+    elements 2k and 2k + 1 as fp32."""
+    if INPUT == 0:
+        w0, w1, w2, w3 = _cols(c.to(tl.uint32, bitcast=True))
+        l0 = (w0 << 16).to(tl.float32, bitcast=True)
+        l1 = (w1 << 16).to(tl.float32, bitcast=True)
+        l2 = (w2 << 16).to(tl.float32, bitcast=True)
+        l3 = (w3 << 16).to(tl.float32, bitcast=True)
+        h0 = (w0 & 0xFFFF0000).to(tl.float32, bitcast=True)
+        h1 = (w1 & 0xFFFF0000).to(tl.float32, bitcast=True)
+        h2 = (w2 & 0xFFFF0000).to(tl.float32, bitcast=True)
+        h3 = (w3 & 0xFFFF0000).to(tl.float32, bitcast=True)
+        s0, s1, s2, s3 = w0 & 0x80008000, w1 & 0x80008000, w2 & 0x80008000, w3 & 0x80008000
+    else:
+        if INPUT == 1:
+            lo, hi = tl.split(tl.reshape(c.to(tl.float32), (c.shape[0], 4, 2)))
+            l0, l1, l2, l3 = _cols(lo)
+            h0, h1, h2, h3 = _cols(hi)
+        else:  # [N, 4, 2]: elements 0-3, elements 4-7
+            a, b = tl.split(c)
+            l0, h0, l1, h1 = _cols(a)
+            l2, h2, l3, h3 = _cols(b)
+        s0, s1, s2, s3 = _sign_word(l0, h0), _sign_word(l1, h1), _sign_word(l2, h2), _sign_word(l3, h3)
+    return l0, h0, s0, l1, h1, s1, l2, h2, s2, l3, h3, s3
+
+
+@triton.jit
+def _nanmax(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _amax8(p):
+    """NaN-propagating max of |x| over one unpacked chunk."""
+    l0, h0, _s0, l1, h1, _s1, l2, h2, _s2, l3, h3, _s3 = p
+    m0 = _nanmax(_nanmax(tl.abs(l0), tl.abs(h0)), _nanmax(tl.abs(l1), tl.abs(h1)))
+    m1 = _nanmax(_nanmax(tl.abs(l2), tl.abs(h2)), _nanmax(tl.abs(l3), tl.abs(h3)))
+    return _nanmax(m0, m1)
+
+
+@triton.jit
+def _code_pred(y, acc, th, W: tl.constexpr):
+    """Adds ``W * code(y)`` (magnitude) to ``acc``: FSETP/FSEL binary search."""
+    p2, p4, p6, g1, g3, g5, g7 = th
+    ay = tl.abs(y)
+    ge4 = ay >= p4
+    ge2 = ay >= tl.where(ge4, p6, p2)
+    gt1 = ay > tl.where(ge2, tl.where(ge4, g7, g3), tl.where(ge4, g5, g1))
+    acc = tl.where(ge4, acc + 4.0 * W, acc)
+    acc = tl.where(ge2, acc + 2.0 * W, acc)
+    return tl.where(gt1, acc + W, acc)
+
+
+@triton.jit
+def _code_fma(y, acc, th, W: tl.constexpr):
+    """Adds ``W * (code(y) - 6)`` (magnitude) to ``acc``: the same search with
+    FFMA.SAT compares (thresholds scaled by A; see the comment above)."""
+    p4, p6, nd62, ng7, d75, ndp, d73 = th
+    ay = tl.abs(y)
+    lt4 = tl.clamp(tl.fma(ay, -_A, p4), 0.0, 1.0)                      # |y| < 1.75 s
+    lt2 = tl.clamp(tl.fma(ay, -_A, tl.fma(lt4, nd62, p6)), 0.0, 1.0)   # |y| < 0.75 s or 3.5 s
+    nt3 = tl.fma(lt4, tl.fma(lt2, ndp, d73), tl.fma(lt2, d75, ng7))    # -(0.25, 1.25, 2.5 or 5) s
+    gt1 = tl.clamp(tl.fma(ay, _A, nt3), 0.0, 1.0)                      # |y| > that
+    return tl.fma(gt1, W, tl.fma(lt4, -4.0 * W, tl.fma(lt2, -2.0 * W, acc)))
+
+
+@triton.jit
+def _quad(x0, x1, x2, x3, sw0, sw1, gs, th, CODES: tl.constexpr):
+    """The 4 codes of elements x0..x3 (fp32 x, sign words of the pairs) as the
+    low 16 bits of a uint32."""
+    if CODES == 0:
+        acc = tl.full(x0.shape, _MAGIC, tl.float32)
+        acc = _code_pred(x0 * gs, acc, th, 1.0)
+        acc = _code_pred(x1 * gs, acc, th, 16.0)
+        acc = _code_pred(x2 * gs, acc, th, 256.0)
+        acc = _code_pred(x3 * gs, acc, th, 4096.0)
+    else:
+        acc = tl.full(x0.shape, _MAGIC + 6.0 * 4369.0, tl.float32)  # + 6 per code (see _code_fma)
+        acc = _code_fma(x0 * gs, acc, th, 1.0)
+        acc = _code_fma(x1 * gs, acc, th, 16.0)
+        acc = _code_fma(x2 * gs, acc, th, 256.0)
+        acc = _code_fma(x3 * gs, acc, th, 4096.0)
+    return acc.to(tl.uint32, bitcast=True) + tl.umulhi(sw0, 0x00100100) + tl.umulhi(sw1, 0x10010000)
+
+
+@triton.jit
+def _rows_block(ca, cb, gs, HW_E4M3: tl.constexpr, FAST_DIV: tl.constexpr, INPUT: tl.constexpr,
+                CODES: tl.constexpr):
+    """One block of 16 per thread -> (two code words, e4m3 scale code)."""
+    pa = _unpack(ca, INPUT)
+    pb = _unpack(cb, INPUT)
+    g = tl.minimum(gs * _nanmax(_amax8(pa), _amax8(pb)), 2688.0, propagate_nan=tl.PropagateNan.ALL)  # 448 * 6: v <= 448
+    if FAST_DIV:
+        q0 = g * _RCP6
+        v = tl.fma(tl.fma(q0, -6.0, g), _RCP6, q0)
+    else:
+        v = tl.div_rn(g, 6.0)
+    if HW_E4M3:
+        s8 = v.to(tl.float8e4nv)
+        s_code = s8.to(tl.uint8, bitcast=True)
+        s = s8.to(tl.float32)
+    else:
+        s_code, s = _e4m3_round(v)
+        s_code = s_code.to(tl.uint8)
+    keep = tl.where(s == 0, 0, -1).to(tl.uint32)  # s == 0: all codes 0
+    if CODES == 0:
+        th = (0.75 * s, 1.75 * s, 3.5 * s, 0.25 * s, 1.25 * s, 2.5 * s, 5.0 * s)
+    else:
+        sa = s * _A
+        th = (1.75 * sa, 3.5 * sa, -2.75 * sa, -5.0 * sa, 2.5 * sa, -1.5 * sa, 3.75 * sa)
+    a0, a1, as0, a2, a3, as1, a4, a5, as2, a6, a7, as3 = pa
+    b0, b1, bs0, b2, b3, bs1, b4, b5, bs2, b6, b7, bs3 = pb
+    r0 = _quad(a0, a1, a2, a3, as0, as1, gs, th, CODES)
+    r1 = _quad(a4, a5, a6, a7, as2, as3, gs, th, CODES)
+    r2 = _quad(b0, b1, b2, b3, bs0, bs1, gs, th, CODES)
+    r3 = _quad(b4, b5, b6, b7, bs2, bs3, gs, th, CODES)
+    wa = ((r0 & 0xFFFF) | (r1 << 16)) & keep
+    wb = ((r2 & 0xFFFF) | (r3 << 16)) & keep
+    return wa, wb, s_code
+
+
+@triton.jit(do_not_specialize=["M", "s_rows"])
+def _rows_kernel(x_ptr, gs_ptr, q_ptr, s_ptr, M, K, stride_xm, s_rows, s_cols, s_c4,
+                 SWIZZLE: tl.constexpr, HW_E4M3: tl.constexpr, FAST_DIV: tl.constexpr,
+                 INPUT: tl.constexpr, CODES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, RPS: tl.constexpr, UNROLL: tl.constexpr = 1):
+    # program: BLOCK_M rows x BLOCK_G blocks, RPS rows per step (one thread per
+    # block: a warp reads 32 consecutive blocks of a row, 1 KB of bf16)
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    G = K // 16
+    i = tl.arange(0, RPS * BLOCK_G)
+    groups = pid_g * BLOCK_G + i % BLOCK_G
+    row0 = pid_m * BLOCK_M
+    rows = row0 + i // BLOCK_G
+    g_in = groups < G
+    x_p = x_ptr + rows.to(tl.int64) * stride_xm + groups * 16
+    q_p = q_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64) * (K // 8) + groups * 2
+    if SWIZZLE:  # rows stay inside one 32-row slice: the offset moves by 16 B a row
+        s_off = ((rows // 128) * s_c4 + groups // 4) * 512 + (rows % 32) * 16 + ((rows % 128) // 32) * 4 \
+            + groups % 4
+        s_step = RPS * 16
+    else:
+        s_off = rows * s_cols + groups
+        s_step = RPS * s_cols
+    s_p = s_ptr + s_off.to(tl.int64)
+    s_in = groups < s_cols
+    gs = tl.load(gs_ptr).to(tl.float32)
+    steps = tl.cdiv(tl.minimum(M - row0, BLOCK_M), RPS)  # steps with data rows (<= 0: none)
+    ca, cb = _rows_load(x_p, g_in & (rows < M), INPUT)
+    for it in tl.range(BLOCK_M // RPS, loop_unroll_factor=UNROLL):
+        if it < steps:
+            # next step's loads first, so they are in flight during this math
+            x_p += RPS * stride_xm
+            na, nb = _rows_load(x_p, g_in & (rows + RPS < M), INPUT)
+            wa, wb, s_code = _rows_block(ca, cb, gs, HW_E4M3, FAST_DIV, INPUT, CODES)
+            ok = g_in & (rows < M)
+            tl.store(q_p[:, None] + tl.arange(0, 2)[None, :], tl.join(wa, wb).to(tl.int32, bitcast=True),
+                     mask=ok[:, None])
+            tl.store(s_p, tl.where(ok, s_code, 0), mask=s_in & (rows < s_rows))  # zeros for the pads
+            ca, cb = na, nb
+        else:  # pad rows of the swizzled layout only
+            tl.store(s_p, tl.zeros([RPS * BLOCK_G], tl.uint8), mask=s_in & (rows < s_rows))
+        q_p += RPS * (K // 8)
+        s_p += s_step
+        rows += RPS
+
+
 # ----------------------------------------------------------------------------
 # 4. Launcher
 # ----------------------------------------------------------------------------
 
 
+def _rows_input(x: torch.Tensor) -> int:
+    """INPUT of the rows kernels: int32 words need 4-byte aligned rows."""
+    if x.dtype == torch.float32:
+        return 2
+    if x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0 and (x.stride(0) % 2 == 0 or x.shape[0] <= 1):
+        return 0
+    return 1
+
+
 def quant(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool = True,
           cfg: QuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``nvfp4_quant`` in one Triton launch (also writes the layout's pad zeros).
+
+    ``global_scale`` must be positive (or zero: all codes and scales 0).
 
     Examples
     --------
@@ -214,8 +510,14 @@ def quant(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool = True,
         return q, s
     cfg = cfg or DEFAULT_QUANT
     grid = (triton.cdiv(s_rows, cfg.block_m), triton.cdiv(s_cols, cfg.block_g))
-    _quant_kernel[grid](x, global_scale, q, s.view(torch.uint8), m, k, x.stride(0),
-                        s_rows, s_cols, s_cols // 4, SWIZZLE=bool(swizzle),
-                        HW_E4M3=_hw_e4m3(x.device),
-                        BLOCK_M=cfg.block_m, BLOCK_G=cfg.block_g, num_warps=cfg.num_warps)
+    args = (x, global_scale, q, s.view(torch.uint8), m, k, x.stride(0), s_rows, s_cols, s_cols // 4)
+    if cfg.variant == "split8":
+        _quant_kernel[grid](*args, SWIZZLE=bool(swizzle), HW_E4M3=_hw_e4m3(x.device),
+                            BLOCK_M=cfg.block_m, BLOCK_G=cfg.block_g, num_warps=cfg.num_warps)
+    else:
+        _rows_kernel[grid](*args, SWIZZLE=bool(swizzle), HW_E4M3=_hw_e4m3(x.device),
+                           FAST_DIV=x.device.type == "cuda", INPUT=_rows_input(x),
+                           CODES=VARIANTS.index(cfg.variant) - 1, BLOCK_M=cfg.block_m,
+                           BLOCK_G=cfg.block_g, RPS=cfg.rows_per_step(), num_warps=cfg.num_warps,
+                           enable_fp_fusion=False)
     return q, s

@@ -165,7 +165,7 @@ def _codegen_main() -> None:
             q = T._bytes_view(torch.empty(64, 512, dtype=torch.float8_e4m3fn), widen)
             kern = T._quant_kernel.warmup(
                 x, q, torch.empty(64, 4), 64, 512, 512, 4, 1, 1e-10, GROUP=128, GP=128,
-                NUM_GROUPS=4, ROWS=16, UE8M0=ue8m0, SOFT_CVT=soft, WIDEN=widen, INTERPRET=False, num_warps=4, grid=(1,))
+                NUM_GROUPS=4, ROWS=16, TOKEN_MINOR=False, UE8M0=ue8m0, SOFT_CVT=soft, WIDEN=widen, INTERPRET=False, num_warps=4, grid=(1,))
             ptx = kern.asm["ptx"]
             line = f"sm{cap} quant ue8m0={ue8m0} {usage(kern)}"
             if not soft:  # 16 B per thread: the bf16 loads must be vectorized
@@ -212,8 +212,8 @@ if INNER == "interpret":
         real_mm_output, real_quant_outputs = base.mm_output, base.quant_outputs
         monkeypatch.setattr(base, "mm_output", lambda *a: poison_(real_mm_output(*a)))
 
-        def quant_outputs(*args):
-            q, s = real_quant_outputs(*args)
+        def quant_outputs(*args, **kwargs):
+            q, s = real_quant_outputs(*args, **kwargs)
             return poison_(q), poison_(s)
 
         monkeypatch.setattr(base, "quant_outputs", quant_outputs)
@@ -251,11 +251,13 @@ if INNER == "interpret":
     @pytest.mark.parametrize("m", [0, 1, 3, 17])
     @pytest.mark.parametrize("layout", ["row", "col", "col_tma"])
     @pytest.mark.parametrize("ue8m0", [False, True])
-    def test_quant_bit_exact(m, layout, ue8m0):
+    @pytest.mark.parametrize("order", [None, False, True])
+    def test_quant_bit_exact(m, layout, ue8m0, order):
         x = (torch.randn(m, 384 + 40) * torch.logspace(-3, 3, m or 1).unsqueeze(1)[:m]).to(torch.bfloat16)
         x = x[:, :384]  # strided rows
         col = layout != "row"
-        q, s = T.per_token_group_quant(x, 128, 1e-10, col, ue8m0, tma_aligned=layout == "col_tma")
+        tile = {} if order is None else dict(token_minor=order, block_rows=2, num_warps=1)  # tiles across rows
+        q, s = T.per_token_group_quant(x, 128, 1e-10, col, ue8m0, tma_aligned=layout == "col_tma", **tile)
         qr, sr = base.reference_quant(x, 128, 1e-10, col, ue8m0)
         assert same_bits(q, qr) and torch.equal(s, sr)
         if col and m > 1:

@@ -256,9 +256,11 @@ def test_config_predicate_defaults_and_candidates():
                 cands = Q.candidate_configs(mode, m, k)
                 assert cands[0] == cfg and len(set(cands)) == len(cands)
                 assert all(Q.config_ok(c)[0] for c in cands)
-    # one-pass per-token up to K = 8192 (the row in registers), chunked beyond
-    assert Q.default_config("per_token", 4096, 7168).block_k >= 7168
-    assert Q.default_config("per_token", 4096, 16384).block_k < 16384
+    # per-token: one pass (the row in registers) up to K = 8192 at small M;
+    # chunked at large M (measured faster) and beyond K = 8192
+    assert Q.default_config("per_token", 16, 7168).block_k >= 7168
+    assert Q.default_config("per_token", 4096, 7168).block_k < 7168
+    assert Q.default_config("per_token", 16, 16384).block_k < 16384
 
 
 @parent

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 import scaledmm
 from scaledmm.backends import Family, Problem
 from scaledmm.ops import nvfp4_triton as nt
+from scaledmm.ops import nvfp4_triton_quant as ntq
 from helpers import opcheck, poison_, rel_err
 
 CHILD = os.environ.get("SCALEDMM_NVFP4_INTERP_CHILD") == "1"
@@ -94,7 +95,8 @@ def spec_quant(x: torch.Tensor, gs: torch.Tensor, swz: bool):
     xb = x.float().reshape(m, k // 16, 16)
     g = gs.to(x.device).float().reshape(())
     amax = xb.abs().amax(-1)
-    s8 = (g * amax / 6.0).clamp(max=448.0).to(FP8)
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal
+    s8 = (g * amax / amax.new_full((), 6.0)).clamp(max=448.0).to(FP8)
     sf = s8.float().unsqueeze(-1)
     v = (xb * g / sf).clamp(-6.0, 6.0)
     codes = torch.where(sf == 0, torch.zeros_like(v, dtype=torch.uint8), e2m1_nearest(v)).reshape(m, k)
@@ -159,87 +161,183 @@ def _poison_quant_outputs(monkeypatch):
     monkeypatch.setattr(nt.nv, "quant_outputs", poisoned)
 
 
-@interp
-@pytest.mark.parametrize("m", [0, 1, 3, 17, 130])
-@pytest.mark.parametrize("swz", [True, False])
-def test_quant_exact(monkeypatch, m, swz):
-    _poison_quant_outputs(monkeypatch)  # the kernel must write every byte, pads included
-    x = torch.randn(m, 96, dtype=torch.bfloat16) * 3
-    gs = torch.tensor(448 * 6 / 7.0)
-    q, s = nt.quant(x, gs, swz)
+def _same(a, b) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _check_quant(x, gs, swz, cfg):
+    q, s = nt.quant(x, gs, swz, cfg)
     q_ref, s_ref = spec_quant(x, gs, swz)
-    assert q.shape == q_ref.shape and s.shape == s_ref.shape
-    assert torch.equal(q, q_ref)
-    assert torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
-    if swz and m:
-        assert s.shape == (-(-m // 128) * 128, 8)
-        assert not s.view(torch.uint8).flatten()[swz_offsets(m, 6)[m:].flatten()].any()
+    assert _same(q, q_ref), (cfg.label(), int((q != q_ref).sum()))
+    assert _same(s, s_ref), (cfg.label(), int((s.view(torch.uint8) != s_ref.view(torch.uint8)).sum()))
+    return q, s
+
+
+# every kernel variant; the rows_* ones once with one loop step per program
+# (fast in the interpreter) and once with several (the prefetch path)
+Q = nt.QuantConfig
+QCFGS = [nt.DEFAULT_QUANT, Q(32, 8, 8, "rows_fma"), Q(32, 8, 8, "rows_pred")]
+QCFGS_STEPS = [Q(16, 8, 1, "rows_fma"), Q(8, 8, 1, "rows_pred"), Q(32, 16, 2, "rows_fma")]
 
 
 @interp
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_quant_dtypes_and_strided_rows(dtype):
-    wide = torch.randn(5, 80, dtype=dtype)
-    x = wide[:, 8:72]  # row stride 80 > K = 64
-    gs = torch.tensor(37.5)
-    q, s = nt.quant(x, gs, True)
-    q_ref, s_ref = spec_quant(x, gs, True)
-    assert torch.equal(q, q_ref) and torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+@pytest.mark.parametrize("cfg", QCFGS, ids=lambda c: c.label())
+def test_quant_exact_odd_shapes(monkeypatch, cfg):
+    _poison_quant_outputs(monkeypatch)  # the kernel must write every byte, pads included
+    for m in (0, 1, 3, 17, 130):
+        for k in (16, 48, 400):
+            x = (torch.randn(m, k) * 3).to(torch.bfloat16)
+            for swz in (True, False):
+                q, s = _check_quant(x, torch.tensor(448 * 6 / 7.0), swz, cfg)
+                if swz and m:
+                    assert s.shape == (-(-m // 128) * 128, -(-k // 64) * 4)
+                    assert not s.view(torch.uint8).flatten()[swz_offsets(m, k // 16)[m:].flatten()].any()
 
 
 @interp
-def test_quant_ties_and_special_values():
-    # gs = 1: row 0 has amax 6, so s = 1 and every e2m1 midpoint is hit exactly
+@pytest.mark.parametrize("cfg", QCFGS_STEPS, ids=lambda c: c.label())
+def test_quant_exact_loop_steps(monkeypatch, cfg):
+    _poison_quant_outputs(monkeypatch)
+    for m, k in ((17, 48), (130, 32), (5, 400)):
+        x = (torch.randn(m, k) * 3).to(torch.bfloat16)
+        for swz in (True, False):
+            _check_quant(x, torch.tensor(300.0), swz, cfg)
+
+
+@interp
+@pytest.mark.parametrize("cfg", QCFGS + QCFGS_STEPS[:1], ids=lambda c: c.label())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_quant_dtypes_and_strided_rows(cfg, dtype):
+    even, odd = torch.randn(5, 80, dtype=dtype), torch.randn(5, 81, dtype=dtype)
+    for x in (even[:, 8:72], odd[:, 8:72], even[:, 1:65]):  # row stride > K = 64, odd, unaligned start
+        _check_quant(x, torch.tensor(37.5), True, cfg)
+
+
+def _special_rows():
+    """gs = 1: row 0 has amax 6, so s = 1 and every e2m1 midpoint is hit exactly."""
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5,
                          -3.5, -5.0, -6.0])
-    rows = [mids,
-            torch.zeros(16),                                    # s = 0 -> all codes 0
-            torch.full((16,), 1e-30),                           # s underflows to 0
-            torch.tensor([1e30] + [1.0] * 15),                  # saturates at 448
-            torch.tensor([3e-2] + [-1e-2] * 15),                # e4m3 subnormal scale
-            torch.tensor([float("inf")] + [2.0] * 15),
-            torch.tensor([-0.0] * 8 + [1.0] * 8)]               # -0 keeps its sign bit
-    x = torch.stack(rows)
+    return torch.stack([mids,
+                        torch.zeros(16),                                    # s = 0 -> all codes 0
+                        torch.full((16,), 1e-30),                           # s underflows to 0
+                        torch.tensor([1e30] + [1.0] * 15),                  # saturates at 448
+                        torch.tensor([3e-2] + [-1e-2] * 15),                # e4m3 subnormal scale
+                        torch.tensor([float("inf")] + [2.0] * 15),
+                        torch.tensor([-0.0] * 8 + [1.0] * 8),               # -0 keeps its sign bit
+                        torch.tensor([-float("inf")] + [-0.0] * 15),
+                        torch.tensor([6.0] + [-1e-30] * 15)])               # tiny negatives: code 8
+
+
+@interp
+@pytest.mark.parametrize("cfg", QCFGS, ids=lambda c: c.label())
+def test_quant_ties_and_special_values(cfg):
+    x = _special_rows()
     gs = torch.tensor(1.0)
-    q, s = nt.quant(x, gs, False)
-    q_ref, s_ref = spec_quant(x, gs, False)
-    assert torch.equal(q, q_ref) and torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+    _, s = _check_quant(x, gs, False, cfg)
     assert s[0].float().item() == 1.0 and s[1].float().item() == 0.0 and s[3].float().item() == 448.0
     # NaN: its block's scale is NaN, the other blocks and rows are untouched
     xn = x.clone()
     xn[2, 3] = float("nan")
-    xn = torch.cat([xn, torch.randn(7, 16)], 1)  # K = 32: a second block per row
-    qn, sn = nt.quant(xn, gs, False)
+    xn = torch.cat([xn, torch.randn(x.shape[0], 16)], 1)  # K = 32: a second block per row
+    qn, sn = nt.quant(xn, gs, False, cfg)
     qr, sr = spec_quant(xn, gs, False)
     assert torch.isnan(sn[2, 0].float())
-    keep = torch.ones(7, 32, dtype=torch.bool)
+    keep = torch.ones(xn.shape, dtype=torch.bool)
     keep[2, :16] = False
     assert torch.equal(sn.view(torch.uint8)[keep[:, ::16]], sr.view(torch.uint8)[keep[:, ::16]])
     assert torch.equal(qn[keep[:, ::2]], qr[keep[:, ::2]])
+    # gs = 0 and gs = inf (an all-zero activation's 448 * 6 / amax); codes are
+    # unspecified in blocks with a NaN scale or a NaN product (0 * inf)
+    for g in (0.0, float("inf")):
+        qz, sz = nt.quant(x, torch.tensor(g), False, cfg)
+        qzr, szr = spec_quant(x, torch.tensor(g), False)
+        nan = torch.isnan(szr.float()).squeeze(1)
+        ok = ~(nan | torch.isnan(x * g).any(1))
+        assert torch.equal(torch.isnan(sz.float()).squeeze(1), nan)  # NaN of either sign
+        assert torch.equal(sz.view(torch.uint8)[~nan], szr.view(torch.uint8)[~nan])
+        assert torch.equal(qz[ok], qzr[ok]) and ok.sum() >= 3
+
+
+@interp
+@pytest.mark.parametrize("cfg", QCFGS, ids=lambda c: c.label())
+def test_quant_every_scale_at_every_midpoint(cfg):
+    """Every finite e4m3 block scale s > 0, with fp32 inputs (gs = 1) at each
+    e2m1 midpoint T * s and at its fp32 neighbours (the compare boundaries)."""
+    s = torch.arange(1, 127, dtype=torch.int32).to(torch.uint8).view(FP8).float()   # 2**-9 .. 448
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    p = (s[:, None] * mids).flatten()                                                # exact in fp32
+    vals = torch.stack([p, torch.nextafter(p, torch.tensor(0.0)), torch.nextafter(p, torch.tensor(1e9))], 1)
+    vals = vals.reshape(len(s), 21) * torch.where(torch.arange(21) % 2 == 0, 1.0, -1.0)
+    a = (6 * s)[:, None]                                                             # amax 6 s: scale s
+    x = torch.cat([a, vals[:, :15], a, vals[:, 15:], torch.zeros(len(s), 9)], 1)
+    _check_quant(x, torch.tensor(1.0), True, cfg)
 
 
 @interp
 @settings(max_examples=12)
 @given(m=st.integers(0, 40), groups=st.integers(1, 10), log_scale=st.integers(-12, 12),
        log_gs=st.integers(-4, 12), swz=st.booleans(), pad=st.integers(0, 3),
-       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
-def test_quant_hypothesis(m, groups, log_scale, log_gs, swz, pad, dtype):
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       cfg=st.sampled_from(QCFGS + QCFGS_STEPS))
+def test_quant_hypothesis(m, groups, log_scale, log_gs, swz, pad, dtype, cfg):
     k = 16 * groups
     wide = (torch.randn(m, k + 16 * pad) * 2.0 ** log_scale).to(dtype)
     x = wide[:, :k]
     gs = torch.tensor(2.0 ** log_gs * 1.37)
-    q, s = nt.quant(x, gs, swz)
-    q_ref, s_ref = spec_quant(x, gs, swz)
-    assert torch.equal(q, q_ref) and torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+    _check_quant(x, gs, swz, cfg)
 
 
 @interp
 def test_quant_matches_op_reference():
     x = torch.randn(9, 128)
     gs = torch.tensor(200.0)
-    q, s = nt.quant(x, gs, True)
-    q2, s2 = nt.nv.reference_quant(x, gs, True)
-    assert torch.equal(q, q2) and torch.equal(s.view(torch.uint8), s2.view(torch.uint8))
+    for cfg in QCFGS:
+        q, s = nt.quant(x, gs, True, cfg)
+        q2, s2 = nt.nv.reference_quant(x, gs, True)
+        assert _same(q, q2) and _same(s, s2)
+
+
+@parent
+def test_fast_division_by_six_is_exact():
+    """The rows kernels' v = fl(g / 6) on the GPU: q0 = RN(g * r), r = RN(1/6),
+    v = RN(q0 + RN(g - 6 q0) * r), equal to RN(g / 6) for every fp32 mantissa
+    (scaling g by a power of two scales every step exactly).  Integer math."""
+    G = np.arange(1 << 23, 1 << 24, dtype=np.int64)    # g = G * 2**-23 in [1, 2)
+    Y = 11184811                                       # r = Y * 2**-26
+
+    def rn(num, shift):  # nearest-even of num / 2**shift, num >= 0
+        q = num >> shift
+        rem = num - (q << shift)
+        return q + ((rem > (1 << (shift - 1))) | ((rem == (1 << (shift - 1))) & (q & 1 == 1)))
+
+    def rn_div6(num, shift):  # nearest-even of num / (6 * 2**shift)
+        q, rem = np.divmod(num, 6 << shift)
+        return q + ((2 * rem > (6 << shift)) | ((2 * rem == (6 << shift)) & (q & 1 == 1)))
+
+    assert abs(Y / 2 ** 26 - 1 / 6) < 2 ** -27
+    P = G * Y                                          # g * r in units of 2**-49
+    q0 = np.where(P < (1 << 47), rn(P, 23), rn(P, 24) * 2)          # units 2**-26
+    r = 8 * G - 6 * q0                                 # g - 6 q0, exact, units 2**-26
+    assert np.abs(r).max() < (1 << 24)
+    N = q0 * (1 << 26) + r * Y                         # q0 + r * (1/6), units 2**-52
+    v = np.where(N < (1 << 50), rn(N, 26), rn(N, 27) * 2)           # units 2**-26
+    E = (8 * G) << 20                                  # exact g / 6 rounded the same way
+    want = np.where(8 * G < 6 * (1 << 24), rn_div6(E, 20), rn_div6(E, 21) * 2)
+    assert np.array_equal(v, want)
+
+
+@parent
+def test_saturating_fma_compares_are_exact():
+    """rows_fma: for every e4m3 scale s and e2m1 midpoint T, A * (T s - |y|)
+    with A = 2**40 is 0 or at least 1 in magnitude for every fp32 |y| near the
+    threshold, so FFMA.SAT returns exactly [|y| < T s] (float64 is exact here)."""
+    s = torch.arange(1, 127, dtype=torch.int32).to(torch.uint8).view(FP8).double()
+    p = (s[:, None] * torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)).flatten()
+    assert torch.equal(p.float().double(), p)
+    p32 = p.float()
+    for y in (p32, torch.nextafter(p32, torch.tensor(0.0)), torch.nextafter(p32, torch.tensor(1e9))):
+        d = (p - y.double()) * 2.0 ** 40
+        assert ((d == 0) | (d.abs() >= 1)).all()
 
 
 @interp
@@ -353,8 +451,16 @@ def test_split_fills_the_sms():
 
 def test_quant_configs():
     assert nt.quant_config_ok(nt.DEFAULT_QUANT)[0]
-    assert all(nt.quant_config_ok(c)[0] for c in nt.QUANT_CANDIDATES)
-    assert not nt.quant_config_ok(nt.QuantConfig(24, 8, 4))[0]
+    assert all(nt.quant_config_ok(c)[0] for c in nt.QUANT_CANDIDATES + tuple(QCFGS + QCFGS_STEPS))
+    assert {c.variant for c in nt.QUANT_CANDIDATES} == set(ntq.VARIANTS)
+    Q = nt.QuantConfig
+    bad = [Q(24, 8, 4), Q(32, 8, 4, "nope"), Q(64, 32, 4, "rows_fma"),  # > 32 rows per program
+           Q(2, 32, 4, "rows_fma"),                                    # < one loop step (4 rows)
+           Q(32, 256, 4, "rows_pred"), Q(32, 4, 1, "rows_fma"), Q(32, 32, 16, "rows_fma")]
+    for cfg in bad:
+        assert not nt.quant_config_ok(cfg)[0], cfg
+    assert Q(32, 32, 4, "rows_fma").rows_per_step() == 4 and len({c.label() for c in nt.QUANT_CANDIDATES}) == \
+        len(nt.QUANT_CANDIDATES)
 
 
 @interp
@@ -657,16 +763,29 @@ GPU_DECODES = ["ptx", "ptx_direct", "triton"]
 
 
 @requires_cuda
+@pytest.mark.parametrize("cfg", nt.QUANT_CANDIDATES, ids=lambda c: c.label())
 @pytest.mark.parametrize("m", [1, 3, 17, 130, 1000])
 @pytest.mark.parametrize("swz", [True, False])
-def test_gpu_quant_exact(m, swz):
+def test_gpu_quant_exact(cfg, m, swz):
     x = (torch.randn(m, 7168, device="cuda") * 4).to(torch.bfloat16)
     x[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)  # ties (s = 1)
     gs = torch.tensor(1.0, device="cuda")
-    q, s = nt.quant(x, gs, swz)
-    q_ref, s_ref = spec_quant(x, gs, swz)
-    assert torch.equal(q, q_ref)
-    assert torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+    q, s = nt.quant(x, gs, swz, cfg)
+    q_ref, s_ref = spec_quant(x.cpu(), gs.cpu(), swz)
+    assert _same(q.cpu(), q_ref) and _same(s.cpu(), s_ref)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cfg", [c for c in nt.QUANT_CANDIDATES if c.variant != "split8"], ids=lambda c: c.label())
+def test_gpu_quant_special_values_and_dtypes(cfg):
+    x = _special_rows()
+    xs = torch.cat([x, -x, x * 1e-3, x * 7.0], 1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for g in (1.0, 0.37, 3000.0):
+            q, s = nt.quant(xs.to(dtype).cuda(), torch.tensor(g, device="cuda"), False, cfg)
+            qr, sr = spec_quant(xs.to(dtype), torch.tensor(g), False)
+            ok = ~torch.isnan(sr.float()).repeat_interleave(8, 1)
+            assert _same(s.cpu(), sr) and torch.equal(q.cpu()[ok], qr[ok]), (dtype, g)
 
 
 def _gpu_case(m, n, k, seed=0):
