@@ -3,7 +3,7 @@
 #   bash benchmarks/device_all.sh tests skinny fp8 "bench:fp8_block --quick" ...
 # Stages: tests (pytest-xdist over tests/ and compile_tests/; SCALEDMM_TESTS=gpu
 # keeps the GPU cases), tests:<pytest args>, <name> for benchmarks/device_<name>.py,
-# bench:<CLI args> (python -m benchmarks ... --out <work>/bench).
+# bench:<CLI args> (python -m benchmarks ... --out <work>/bench), run:<shell command>.
 # Everything lands in a work folder; $OUT gets one archive of it (the device tool
 # returns at most 8 files) plus benchmarks/RESULTS.md, and the tail of every
 # stage's log is printed last.  Timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SCRIPT_TIMEOUT.
@@ -36,6 +36,7 @@ for stage in "$@"; do
              -W ignore::pytest_benchmark.logger.PytestBenchmarkWarning >"$WORK/$name.log" 2>&1 ;;
     tests:*) timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest ${stage#tests:} -q -p no:cacheprovider --timeout 80 \
              -rfE >"$WORK/$name.log" 2>&1 ;;
+    run:*) timeout "${SCRIPT_TIMEOUT:-300}" bash -c "${stage#run:}" >"$WORK/$name.log" 2>&1 ;;
     bench:*) timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks ${stage#bench:} --out "$WORK/bench" \
              >"$WORK/$name.log" 2>&1 ;;
     *) timeout "${SCRIPT_TIMEOUT:-300}" python3 "benchmarks/device_$stage.py" >"$WORK/$name.log" 2>&1 ;;

@@ -108,6 +108,13 @@ CASES: tuple[Case, ...] = (
          csrc=True),
     Case("fp8b_cutlass_swap", "fp8_block CUTLASS swap_coop128x32_c1x1_sfs_sk (stream-K), row-major a_scales",
          "M20 N336 K1152, strided a", csrc=True),
+    # The racecheck of coop128x128_c1x2 (the M > 256 default) reported hazards
+    # inside CUTLASS's blockwise mainloop/epilogue (H200 run 4): the same kernel
+    # without clusters, with 2x1, ping-pong and stream-K tell where they come from.
+    Case("fp8b_cutlass_coop_c1x1", "fp8_block CUTLASS coop128x128_c1x1 (no cluster)", "M20 N336 K1152", csrc=True),
+    Case("fp8b_cutlass_coop_c2x1", "fp8_block CUTLASS coop128x128_c2x1", "M20 N336 K1152", csrc=True),
+    Case("fp8b_cutlass_pp", "fp8_block CUTLASS pp64x128_c1x2 (ping-pong)", "M20 N336 K1152", csrc=True),
+    Case("fp8b_cutlass_coop_sk", "fp8_block CUTLASS coop128x128_c1x2_sk (stream-K)", "M20 N336 K1152", csrc=True),
     Case("fp8b_cublas", "fp8_block cublas backend (torch._scaled_mm blockwise), through the op", "M20 N336 K1152",
          info=True),
     Case("nvfp4_tri_mm", "nvfp4_mm Triton W4A4 (op, default config: split-K with tile counters)", "M17 N200 K720"),
@@ -439,7 +446,9 @@ def fp8_triton_config(variant: str):
     }[variant]
 
 
-CUTLASS_CONFIGS = {"fp8b_cutlass_coop": "coop128x128_c1x2", "fp8b_cutlass_swap": "swap_coop128x32_c1x1_sfs_sk"}
+CUTLASS_CONFIGS = {"fp8b_cutlass_coop": "coop128x128_c1x2", "fp8b_cutlass_swap": "swap_coop128x32_c1x1_sfs_sk",
+                   "fp8b_cutlass_coop_c1x1": "coop128x128_c1x1", "fp8b_cutlass_coop_c2x1": "coop128x128_c2x1",
+                   "fp8b_cutlass_pp": "pp64x128_c1x2", "fp8b_cutlass_coop_sk": "coop128x128_c1x2_sk"}
 
 
 class Ctx:
@@ -833,6 +842,10 @@ CHILD_CASES = {
     "fp8b_tri_quant_col": lambda ctx: case_fp8b_tri_quant(ctx, True),
     "fp8b_cutlass_coop": case_fp8b_cutlass,
     "fp8b_cutlass_swap": case_fp8b_cutlass,
+    "fp8b_cutlass_coop_c1x1": case_fp8b_cutlass,
+    "fp8b_cutlass_coop_c2x1": case_fp8b_cutlass,
+    "fp8b_cutlass_pp": case_fp8b_cutlass,
+    "fp8b_cutlass_coop_sk": case_fp8b_cutlass,
     "fp8b_cublas": case_fp8b_cublas,
     "nvfp4_tri_mm": case_nvfp4_mm,
     "nvfp4_tri_w4a16": case_nvfp4_w4a16,

@@ -71,7 +71,7 @@ __all__ = [
 
 NAME = "triton"
 BLOCK_K = 128  # one K step == one scale block
-M_BUCKETS = (16, 64, 128, 512)  # bucket i holds M <= M_BUCKETS[i]; the last holds the rest
+M_BUCKETS = (16, 64, 128, 512, 1024)  # bucket i holds M <= M_BUCKETS[i]; the last holds the rest
 # fp8_block_linear quantizes inside the GEMM only up to this M.  0: never by
 # default (H200 run 2: fused 21-47 us where quant + GEMM took ~3 + 10-16 us;
 # see NOTES.md "Run 2"); ``linear(..., fuse=True)`` still selects it.
@@ -213,7 +213,7 @@ def config_ok(cfg: MMConfig, m: int, n: int, k: int, fused: bool = False) -> tup
 
 
 def m_bucket(m: int) -> int:
-    """Index of the M bucket (1-16, 17-64, 65-128, 129-512, >512)."""
+    """Index of the M bucket (1-16, 17-64, 65-128, 129-512, 513-1024, >1024)."""
     return next((i for i, hi in enumerate(M_BUCKETS) if m <= hi), len(M_BUCKETS))
 
 
@@ -227,9 +227,11 @@ _BUCKET_BASE = {
            MMConfig(64, 64, swap_ab=True, num_warps=4, num_stages=5),
            MMConfig(64, 128, num_warps=4, num_stages=4),
            MMConfig(128, 128, num_warps=8, num_stages=4),
+           MMConfig(128, 128, num_warps=8, num_stages=4, tma=True),
            MMConfig(128, 128, num_warps=8, num_stages=4, tma=True)),
     False: (MMConfig(16, 64, swap_ab=True, num_warps=4, num_stages=6),
             MMConfig(32, 64, swap_ab=True, num_warps=4, num_stages=4),
+            MMConfig(64, 128, num_warps=4, num_stages=3),
             MMConfig(64, 128, num_warps=4, num_stages=3),
             MMConfig(64, 128, num_warps=4, num_stages=3),
             MMConfig(64, 128, num_warps=4, num_stages=3)),
@@ -237,11 +239,12 @@ _BUCKET_BASE = {
 _TUNED: dict[tuple[int, int, int, bool], MMConfig] = {}  # filled below (H200 run 2)
 
 
-def _tuned(bucket: int, n: int, k: int, bm: int, bn: int, split: int = 1, swap: bool = False, warps: int = 4,
-           stages: int = 4, tma: bool = False, persistent: bool = False, ws: bool = False) -> None:
-    _TUNED[(bucket, n, k, False)] = MMConfig(bm, bn, split_k=split, swap_ab=swap, num_warps=warps,
-                                             num_stages=stages, tma=tma, persistent=persistent,
-                                             warp_specialize=ws)
+def _tuned(bucket: int | tuple[int, ...], n: int, k: int, bm: int, bn: int, split: int = 1, swap: bool = False,
+           warps: int = 4, stages: int = 4, tma: bool = False, persistent: bool = False, ws: bool = False) -> None:
+    for b in (bucket,) if isinstance(bucket, int) else bucket:
+        _TUNED[(b, n, k, False)] = MMConfig(bm, bn, split_k=split, swap_ab=swap, num_warps=warps,
+                                                 num_stages=stages, tma=tma, persistent=persistent,
+                                                 warp_specialize=ws)
 
 
 # H200, run 2 (benchmarks/device_results/run2_fp8_block_triton.log): the
@@ -249,31 +252,39 @@ def _tuned(bucket: int, n: int, k: int, bm: int, bn: int, split: int = 1, swap: 
 # were real device time (not the ~105-170 us host-bound event timings, see
 # NOTES.md), plus three chosen by the weight-stream count where the only
 # trustworthy number was a k1 config with too few streams (marked "reasoned").
-# bucket: 0 M<=16, 1 M<=64, 2 M<=128, 3 M<=512, 4 larger.
+# bucket: 0 M<=16, 1 M<=64, 2 M<=128, 3 M<=512, 4 M<=1024, 5 larger.
 _tuned(1, 2112, 7168, 64, 64, 8, stages=4)                  # 11.0 us vs 12.4
-_tuned(2, 2112, 7168, 64, 64, 4, True, stages=5)            # 15.6 vs 17.5
-_tuned(3, 2112, 7168, 128, 128, warps=8, tma=True)          # 32.7 vs 39.9
 _tuned(1, 4096, 7168, 64, 64, 5, stages=4)                  # 15.5 vs 22.5
-_tuned(2, 4096, 7168, 64, 128, 5, stages=4)                # 23.9 (the run-2 default; k9 untimed)
 _tuned(3, 4096, 7168, 128, 128, warps=8, tma=True)          # 36.5 vs 56.9
 _tuned(0, 7168, 16384, 16, 64, 3, stages=6)                 # 40.6 (cuBLAS 41.2)
 _tuned(1, 7168, 16384, 32, 64, 3, True, stages=6)           # reasoned: k1 81 us = 112 streams
-_tuned(2, 7168, 16384, 64, 64, 3, True, stages=5)           # reasoned: k1 85 us = 112 streams
 _tuned(3, 7168, 16384, 128, 128, warps=8, tma=True)         # 153.9 vs 168.3
-_tuned(4, 7168, 16384, 128, 128, warps=8, stages=3)         # 1203 vs 1231
+_tuned((4, 5), 7168, 16384, 128, 128, warps=8, stages=3)         # 1203 vs 1231
 _tuned(0, 7168, 2048, 16, 64, 1, True, stages=4)            # 8.3 / 9.5 / 12.4 (split 3 adds a reduce)
 _tuned(1, 7168, 2048, 32, 64, 1, True, stages=6)            # 11.5
 _tuned(2, 7168, 2048, 64, 64, 1, True, stages=5)            # 12.7
 _tuned(3, 7168, 2048, 64, 128, stages=4)                    # 23.0 vs 25.2
 _tuned(1, 24576, 1536, 32, 64, 1, True, stages=6)           # 21.0
-_tuned(2, 24576, 1536, 128, 128, warps=8)                   # 24.4
-_tuned(4, 24576, 1536, 128, 128, warps=8, tma=True, persistent=True, ws=True)  # 444.6 vs 489.3
+_tuned((4, 5), 24576, 1536, 128, 128, warps=8, tma=True, persistent=True, ws=True)  # 444.6 vs 489.3
 _tuned(0, 32768, 512, 16, 128, 1, True, stages=6)           # 8.5 vs 9.9 (256 programs, one wave)
 _tuned(1, 32768, 512, 64, 128, stages=4)                    # reasoned: as 128x128 at M=128 (12.4)
 _tuned(2, 32768, 512, 128, 128, warps=8)                    # 12.4
 _tuned(3, 32768, 512, 64, 128, stages=4)                    # 38.2 vs 41.4
-_tuned(4, 32768, 512, 128, 128, warps=8, tma=True, persistent=True, ws=True)   # 243.3 vs 308.2
-_tuned(4, 576, 7168, 128, 128, warps=8, stages=3)           # 72.9 (TMA: ~150)
+_tuned((4, 5), 32768, 512, 128, 128, warps=8, tma=True, persistent=True, ws=True)   # 243.3 vs 308.2
+_tuned((4, 5), 576, 7168, 128, 128, warps=8, stages=3)           # 72.9 (TMA: ~150)
+# H200, session 2 (benchmarks/device_fp8_block_mid.py, run 4: tile x stages x
+# split-K at M = 128, 256, 512, 1024; cold L2; us: this config vs the previous
+# default, cuBLAS blockwise in the same run).  Mid M wants 64x128 tiles and a
+# split that falls as M x N grows (the split-K workspace is split x M x N fp32).
+_tuned(2, 2112, 7168, 64, 128, 6, stages=3)                 # M=128 13.1 vs 15.5 (cuBLAS 15.4)
+_tuned(3, 2112, 7168, 64, 128, 3, stages=3)                 # M=256 17.2 vs 32.5 (22.2); 512 31.4 vs 32.5
+_tuned(4, 2112, 7168, 128, 64, 1, stages=3)                 # M=1024 46.3 vs 63.1 (43.2)
+_tuned(3, 576, 7168, 64, 128, 6, stages=4)                  # M=256 10.8 vs 15.1 (15.2); 512 12.5 vs 20.8
+_tuned(4, 576, 7168, 64, 128, 3, stages=3)                  # M=1024 17.0 vs 36.2 (22.6)
+_tuned(2, 4096, 7168, 64, 128, 4, stages=3)                 # M=128 17.9 vs 23.3 (23.3)
+_tuned(2, 7168, 16384, 64, 128, 2, stages=3)                # M=128 55.3 vs 99.5 (46.0)
+_tuned(2, 24576, 1536, 64, 128, stages=3)                   # M=128 22.3 vs 23.9 (15.8)
+_tuned(3, 24576, 1536, 64, 128, stages=3)                   # M=256 31.4 vs 33.5; 512 57.1 vs 61.7
 _AUTOTUNED: dict[tuple, MMConfig] = {}
 _WARMED: list = []  # kernels compiled by precompile(), loaded when it ends
 
@@ -661,7 +672,7 @@ def _linear(x, b, b_scales, out_dtype, bias, config, fuse):
     return _run_mm(q, b, s, b_scales, out_dtype, bias, config, quant_a=False)
 
 
-def precompile(n: int, k: int, device: torch.device, ms=(1, 16, 64, 128, 512, 4096), fused=(False, True),
+def precompile(n: int, k: int, device: torch.device, ms=(1, 16, 64, 128, 512, 1024, 4096), fused=(False, True),
                configs: list[MMConfig] | None = None, workers: int = 8) -> int:
     """Compile (in parallel threads) and load the GEMM kernels that calls of
     these sizes launch (default configs, or ``configs``), so that no first call

@@ -29,16 +29,19 @@ costs ~0.9 us of issue (29.4 M elements / 32 lanes / 528 partitions /
 * ``split8`` (32x8 tile, 3-D ``[rows, groups, 8]`` halves): Triton lays the
   threads along *rows* (``threadsPerWarp = [32, 1, 1]``), so one warp load
   touches 32 rows x 16 B (half sectors) and the 4-byte code stores are as
-  scattered; ~27 SASS instructions per element, ~19 of them ALU (~37 us of
+  scattered; 27.2 SASS instructions per element, 20 of them ALU (35 us of
   ALU pipe): the measured 67 us.
 * ``rows_*``: a warp takes 32 consecutive blocks of one row (1 KB per load
   instruction pair, 8-byte code stores), one thread per block of 16, rows
   walked in a loop with the next row's loads issued before this row's math;
   the block's codes are packed in fp32 accumulators (4 codes per 16 bits,
   exact integers) and the signs placed by ``IMAD.HI`` (FMA pipe).
-  ``rows_pred``: FSETP/FSEL binary search (~9 ALU instructions per element,
-  ALU bound); ``rows_fma``: the same search with saturating FFMAs (below; ~2
-  ALU, ~15 issue per element).
+  ``rows_pred``: FSETP/FSEL binary search, 17.4 instructions per element,
+  9.7 ALU (17 us of ALU pipe); ``rows_fma``: the same search with
+  saturating FFMAs (below), 18.1 per element, 4.9 ALU (16 us of issue).
+  Per element: 10 FFMA, FMUL by gs, FMNMX (amax), the bf16 unpack and half
+  a sign op each; ~4 more per element are the block's scale, thresholds,
+  packing, stores and the loop.
 """
 
 from __future__ import annotations
@@ -78,16 +81,19 @@ class QuantConfig:
     16, ``num_warps`` warps, kernel ``variant`` (one of :data:`VARIANTS`).
 
     ``rows_*`` variants: one thread per block of 16, ``32 * num_warps //
-    block_g`` rows per loop step, ``block_m`` rows per program."""
+    block_g`` rows per loop step, ``block_m`` rows per program, loads issued
+    ``prefetch`` (1 or 2) steps ahead of the math."""
 
     block_m: int = 32
     block_g: int = 8
     num_warps: int = 4
     variant: str = "split8"
+    prefetch: int = 1
 
     def label(self) -> str:
         tag = "" if self.variant == "split8" else f"-{self.variant}"
-        return f"q{self.block_m}x{self.block_g}w{self.num_warps}{tag}"
+        return f"q{self.block_m}x{self.block_g}w{self.num_warps}{tag}" + ("" if self.prefetch == 1 else
+                                                                          f"-p{self.prefetch}")
 
     def rows_per_step(self) -> int:
         return 32 * self.num_warps // self.block_g
@@ -99,6 +105,8 @@ def quant_config_ok(cfg: QuantConfig) -> tuple[bool, str]:
         return False, f"variant must be one of {VARIANTS}, got {cfg.variant!r}"
     if not all(v > 0 and v & (v - 1) == 0 for v in (cfg.block_m, cfg.block_g, cfg.num_warps)):
         return False, "block_m, block_g and num_warps must be powers of two"
+    if cfg.prefetch not in (1, 2) or (cfg.variant == "split8" and cfg.prefetch != 1):
+        return False, "prefetch must be 1 or 2 (rows kernels), 1 (split8)"
     if cfg.variant == "split8":
         if cfg.block_m < 4 or cfg.block_g < 4 or cfg.block_m * cfg.block_g * 16 > 32768:
             return False, "needs block_m, block_g >= 4 and <= 32768 elements per program"
@@ -118,7 +126,8 @@ def quant_config_ok(cfg: QuantConfig) -> tuple[bool, str]:
 DEFAULT_QUANT = QuantConfig(32, 8, 4)
 QUANT_CANDIDATES = (QuantConfig(32, 8, 4), QuantConfig(16, 8, 2), QuantConfig(32, 4, 4),
                     QuantConfig(32, 32, 4, "rows_fma"), QuantConfig(32, 64, 4, "rows_fma"),
-                    QuantConfig(16, 32, 4, "rows_fma"), QuantConfig(32, 32, 4, "rows_pred"))
+                    QuantConfig(16, 32, 4, "rows_fma"), QuantConfig(32, 32, 4, "rows_fma", 2),
+                    QuantConfig(32, 32, 4, "rows_pred"))
 
 
 # ----------------------------------------------------------------------------
@@ -141,13 +150,16 @@ QUANT_CANDIDATES = (QuantConfig(32, 8, 4), QuantConfig(16, 8, 2), QuantConfig(32
 # (binary search: |y| >= 1.75 s, then 0.75 s or 3.5 s, then one strict T).
 #
 # rows_fma does the compares in the FMA pipe: with A = 2**40,
-# sat(A * (P - |y|)) is exactly [|y| < P] (one FFMA.SAT): A * |y| is exact,
+# sat(A * (P - |y|)) is exactly [|y| < P] and sat(A * (|y| - P)) exactly
+# [|y| > P] (one FFMA.SAT each, |y| an operand modifier): A * |y| is exact,
 # and A times the gap between distinct fp32 values near any P >= 2**-11 (the
 # smallest threshold, 0.25 * 2**-9) is >= 32, so the rounded FFMA result is
 # <= 0, or >= 1.  The next threshold is an exact FFMA of the 0/1 result
 # (multiples of s with few bits), and each code bit is added into an fp32
-# accumulator holding 4 codes as an exact integer: 5 FFMA + 3 FFMA.SAT + 3
-# FFMA per element, no ALU instruction.  The block scale divides by 6 as
+# accumulator holding 4 codes as an exact integer: 3 FFMA.SAT + 4 FFMA
+# (thresholds) + 3 FFMA (packing) per element, no ALU instruction.  Every
+# product there is exact, so the interpreter (fma = mul, then add) computes
+# the same values.  The block scale divides by 6 as
 # q0 = g * RN(1/6); v = fma(fma(q0, -6, g), RN(1/6), q0), correctly rounded
 # for every fp32 g (checked exhaustively over all mantissas, see
 # tests/test_nvfp4_triton.py) -- on the GPU; the interpreter's fma rounds
@@ -272,19 +284,19 @@ _RCP6 = tl.constexpr(0.16666666666666666)   # RN(1/6) once rounded to fp32
 @triton.jit
 def _rows_load(x_p, mask, INPUT: tl.constexpr):
     """The block of 16 at each pointer of ``x_p``: two chunks, raw."""
-    m = mask[:, None]  # masked blocks stay undefined: their codes and scales are not used
+    m = mask[:, None]  # masked blocks read as zeros: scale 0 (the pads), codes not stored
     if INPUT == 0:
         p = x_p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, 4)[None, :]
-        a = tl.load(p, mask=m)
-        b = tl.load(p + 4, mask=m)
+        a = tl.load(p, mask=m, other=0)
+        b = tl.load(p + 4, mask=m, other=0)
     elif INPUT == 1:
         p = x_p[:, None] + tl.arange(0, 8)[None, :]
-        a = tl.load(p, mask=m)
-        b = tl.load(p + 8, mask=m)
+        a = tl.load(p, mask=m, other=0.0)
+        b = tl.load(p + 8, mask=m, other=0.0)
     else:
         p = x_p[:, None] + tl.arange(0, 4)[None, :]
-        a = tl.join(tl.load(p, mask=m), tl.load(p + 4, mask=m))
-        b = tl.join(tl.load(p + 8, mask=m), tl.load(p + 12, mask=m))
+        a = tl.join(tl.load(p, mask=m, other=0.0), tl.load(p + 4, mask=m, other=0.0))
+        b = tl.join(tl.load(p + 8, mask=m, other=0.0), tl.load(p + 12, mask=m, other=0.0))
     return a, b
 
 
@@ -388,7 +400,7 @@ def _quad(x0, x1, x2, x3, sw0, sw1, gs, th, CODES: tl.constexpr):
         acc = _code_fma(x1 * gs, acc, th, 16.0)
         acc = _code_fma(x2 * gs, acc, th, 256.0)
         acc = _code_fma(x3 * gs, acc, th, 4096.0)
-    return acc.to(tl.uint32, bitcast=True) + tl.umulhi(sw0, 0x00100100) + tl.umulhi(sw1, 0x10010000)
+    return tl.umulhi(sw1, 0x10010000) + (tl.umulhi(sw0, 0x00100100) + acc.to(tl.uint32, bitcast=True))
 
 
 @triton.jit
@@ -397,7 +409,8 @@ def _rows_block(ca, cb, gs, HW_E4M3: tl.constexpr, FAST_DIV: tl.constexpr, INPUT
     """One block of 16 per thread -> (two code words, e4m3 scale code)."""
     pa = _unpack(ca, INPUT)
     pb = _unpack(cb, INPUT)
-    g = tl.minimum(gs * _nanmax(_amax8(pa), _amax8(pb)), 2688.0, propagate_nan=tl.PropagateNan.ALL)  # 448 * 6: v <= 448
+    g = gs * _nanmax(_amax8(pa), _amax8(pb))  # fl(gs * amax) as SPEC; a NaN anywhere wins
+    g = tl.minimum(g, 2688.0, propagate_nan=tl.PropagateNan.ALL)  # 448 * 6: v <= 448, no saturation needed
     if FAST_DIV:
         q0 = g * _RCP6
         v = tl.fma(tl.fma(q0, -6.0, g), _RCP6, q0)
@@ -414,8 +427,8 @@ def _rows_block(ca, cb, gs, HW_E4M3: tl.constexpr, FAST_DIV: tl.constexpr, INPUT
     if CODES == 0:
         th = (0.75 * s, 1.75 * s, 3.5 * s, 0.25 * s, 1.25 * s, 2.5 * s, 5.0 * s)
     else:
-        sa = s * _A
-        th = (1.75 * sa, 3.5 * sa, -2.75 * sa, -5.0 * sa, 2.5 * sa, -1.5 * sa, 3.75 * sa)
+        th = (s * (1.75 * _A), s * (3.5 * _A), s * (-2.75 * _A), s * (-5.0 * _A), s * (2.5 * _A),
+              s * (-1.5 * _A), s * (3.75 * _A))
     a0, a1, as0, a2, a3, as1, a4, a5, as2, a6, a7, as3 = pa
     b0, b1, bs0, b2, b3, bs1, b4, b5, bs2, b6, b7, bs3 = pb
     r0 = _quad(a0, a1, a2, a3, as0, as1, gs, th, CODES)
@@ -431,9 +444,10 @@ def _rows_block(ca, cb, gs, HW_E4M3: tl.constexpr, FAST_DIV: tl.constexpr, INPUT
 def _rows_kernel(x_ptr, gs_ptr, q_ptr, s_ptr, M, K, stride_xm, s_rows, s_cols, s_c4,
                  SWIZZLE: tl.constexpr, HW_E4M3: tl.constexpr, FAST_DIV: tl.constexpr,
                  INPUT: tl.constexpr, CODES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, RPS: tl.constexpr, UNROLL: tl.constexpr = 1):
+                 BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, RPS: tl.constexpr, PREFETCH: tl.constexpr):
     # program: BLOCK_M rows x BLOCK_G blocks, RPS rows per step (one thread per
-    # block: a warp reads 32 consecutive blocks of a row, 1 KB of bf16)
+    # block: a warp reads 32 consecutive blocks of a row, 1 KB of bf16); the
+    # loads run PREFETCH steps ahead of the math
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     G = K // 16
@@ -456,17 +470,25 @@ def _rows_kernel(x_ptr, gs_ptr, q_ptr, s_ptr, M, K, stride_xm, s_rows, s_cols, s
     gs = tl.load(gs_ptr).to(tl.float32)
     steps = tl.cdiv(tl.minimum(M - row0, BLOCK_M), RPS)  # steps with data rows (<= 0: none)
     ca, cb = _rows_load(x_p, g_in & (rows < M), INPUT)
-    for it in tl.range(BLOCK_M // RPS, loop_unroll_factor=UNROLL):
+    na, nb = ca, cb
+    if PREFETCH == 2:
+        x_p += RPS * stride_xm
+        na, nb = _rows_load(x_p, g_in & (rows + RPS < M), INPUT)
+    for it in range(BLOCK_M // RPS):
         if it < steps:
-            # next step's loads first, so they are in flight during this math
+            # the loads PREFETCH steps ahead first, so they are in flight during this math
             x_p += RPS * stride_xm
-            na, nb = _rows_load(x_p, g_in & (rows + RPS < M), INPUT)
+            fa, fb = _rows_load(x_p, g_in & (rows + PREFETCH * RPS < M), INPUT)
             wa, wb, s_code = _rows_block(ca, cb, gs, HW_E4M3, FAST_DIV, INPUT, CODES)
             ok = g_in & (rows < M)
             tl.store(q_p[:, None] + tl.arange(0, 2)[None, :], tl.join(wa, wb).to(tl.int32, bitcast=True),
                      mask=ok[:, None])
-            tl.store(s_p, tl.where(ok, s_code, 0), mask=s_in & (rows < s_rows))  # zeros for the pads
-            ca, cb = na, nb
+            tl.store(s_p, s_code, mask=s_in & (rows < s_rows))  # zeros for the pads
+            if PREFETCH == 2:
+                ca, cb = na, nb
+                na, nb = fa, fb
+            else:
+                ca, cb = fa, fb
         else:  # pad rows of the swizzled layout only
             tl.store(s_p, tl.zeros([RPS * BLOCK_G], tl.uint8), mask=s_in & (rows < s_rows))
         q_p += RPS * (K // 8)
@@ -518,6 +540,6 @@ def quant(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool = True,
         _rows_kernel[grid](*args, SWIZZLE=bool(swizzle), HW_E4M3=_hw_e4m3(x.device),
                            FAST_DIV=x.device.type == "cuda", INPUT=_rows_input(x),
                            CODES=VARIANTS.index(cfg.variant) - 1, BLOCK_M=cfg.block_m,
-                           BLOCK_G=cfg.block_g, RPS=cfg.rows_per_step(), num_warps=cfg.num_warps,
+                           BLOCK_G=cfg.block_g, RPS=cfg.rows_per_step(), PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
                            enable_fp_fusion=False)
     return q, s

@@ -45,8 +45,8 @@ def test_jobs_per_case_and_order():
         want = list(ds.CSRC_TOOLS) if c.csrc else ["memcheck"] + (["racecheck"] if c.name == ds.RACECHECK_INFO_CASE
                                                                    else [])
         assert sorted(by_case[c.name]) == sorted(want), c.name
-    assert {c.name for c in ds.CASES if c.csrc} == {"fp8b_cutlass_coop", "fp8b_cutlass_swap", "skinny_v1",
-                                                     "skinny_v2"}
+    assert {c.name for c in ds.CASES if c.csrc} == {"skinny_v1", "skinny_v2"} | set(ds.CUTLASS_CONFIGS)
+    assert all(name in ds.CHILD_CASES for name in ds.CUTLASS_CONFIGS)
     info = [j.info for j in jobs]
     assert info == sorted(info), "required jobs start before informational ones"
     assert {j.key for j in jobs if j.info} == {"fp8b_tri_mm_swap:racecheck", "fp8b_cublas:memcheck"}

@@ -177,7 +177,7 @@ def _check_quant(x, gs, swz, cfg):
 # (fast in the interpreter) and once with several (the prefetch path)
 Q = nt.QuantConfig
 QCFGS = [nt.DEFAULT_QUANT, Q(32, 8, 8, "rows_fma"), Q(32, 8, 8, "rows_pred")]
-QCFGS_STEPS = [Q(16, 8, 1, "rows_fma"), Q(8, 8, 1, "rows_pred"), Q(32, 16, 2, "rows_fma")]
+QCFGS_STEPS = [Q(16, 8, 1, "rows_fma"), Q(8, 8, 1, "rows_pred"), Q(32, 16, 2, "rows_fma", 2)]
 
 
 @interp
@@ -456,7 +456,8 @@ def test_quant_configs():
     Q = nt.QuantConfig
     bad = [Q(24, 8, 4), Q(32, 8, 4, "nope"), Q(64, 32, 4, "rows_fma"),  # > 32 rows per program
            Q(2, 32, 4, "rows_fma"),                                    # < one loop step (4 rows)
-           Q(32, 256, 4, "rows_pred"), Q(32, 4, 1, "rows_fma"), Q(32, 32, 16, "rows_fma")]
+           Q(32, 256, 4, "rows_pred"), Q(32, 4, 1, "rows_fma"), Q(32, 32, 16, "rows_fma"),
+           Q(32, 32, 4, "rows_fma", 3), Q(32, 8, 4, prefetch=2)]
     for cfg in bad:
         assert not nt.quant_config_ok(cfg)[0], cfg
     assert Q(32, 32, 4, "rows_fma").rows_per_step() == 4 and len({c.label() for c in nt.QUANT_CANDIDATES}) == \
