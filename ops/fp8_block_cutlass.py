@@ -314,7 +314,12 @@ TABLE: tuple[TableRow, ...] = (
     TableRow(32, CONFIGS["swap_coop128x32_c1x1_sfs_sk"]),
     TableRow(64, CONFIGS["swap_coop128x64_c1x1_sfs_sk"]),
     TableRow(256, CONFIGS["swap_coop128x128_c1x1_sfs_sk"]),
-    TableRow(2**31, CONFIGS["coop128x128_c1x2"]),
+    # Not the 1x2-cluster config: compute-sanitizer racecheck (H200, session 2)
+    # reports shared-memory hazards inside CUTLASS 4.2's blockwise kernel for
+    # every clustered config (c1x2, c2x1, ping-pong c1x2, stream-K c1x2), none
+    # for 1x1 clusters; results were always right, but we ship what is clean.
+    # The clustered configs stay available by name.
+    TableRow(2**31, CONFIGS["coop128x128_c1x1"]),
 )
 
 

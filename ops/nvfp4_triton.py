@@ -44,6 +44,8 @@ from scaledmm.backends import Backend, Family, Problem
 from scaledmm.ops import nvfp4 as nv
 from scaledmm.ops.nvfp4_triton_quant import (  # noqa: F401 - re-exported
     DEFAULT_QUANT,
+    SMALL_M_QUANT,
+    default_quant_config,
     QUANT_CANDIDATES,
     QuantConfig,
     _hw_e4m3,

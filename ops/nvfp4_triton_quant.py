@@ -119,14 +119,23 @@ def quant_config_ok(cfg: QuantConfig) -> tuple[bool, str]:
     return True, "ok"
 
 
-# 32 rows x 8 blocks, 4 warps: 32 elements (64 B of bf16) per thread, 90
-# registers; the first H200 runs gave 27-29% of copy bandwidth (see the
-# module docstring for why).  Stays the default until a device run of
-# benchmarks/device_nvfp4_quant.py has checked the rows kernels bit for bit.
-DEFAULT_QUANT = QuantConfig(32, 8, 4)
-QUANT_CANDIDATES = (QuantConfig(32, 8, 4), QuantConfig(16, 8, 2), QuantConfig(32, 4, 4),
+# H200 (benchmarks/device_nvfp4_quant.py, session 2, K = 7168 bf16, swizzled,
+# every config bit-exact on the device): the rows_fma kernel with 16 rows x
+# 32 blocks takes 26.6 us at M = 4096 (2.83 TB/s, 68% of the CLI's 4130 GB/s
+# copy ceiling) where the split8 kernel took 67.7 us; 8 rows x 32 blocks is
+# the fastest at M = 1 / 16 / 128 (1.6 / 2.2 / 3.3 us, split8 2.6 / 2.9 /
+# 4.9) and 27.2 us at 4096.
+DEFAULT_QUANT = QuantConfig(16, 32, 4, "rows_fma")
+SMALL_M_QUANT = QuantConfig(8, 32, 4, "rows_fma")  # M <= SMALL_M
+SMALL_M = 256
+
+
+def default_quant_config(m: int) -> QuantConfig:
+    """The quantizer config for an activation of ``m`` rows (see above)."""
+    return SMALL_M_QUANT if m <= SMALL_M else DEFAULT_QUANT
+QUANT_CANDIDATES = (DEFAULT_QUANT, SMALL_M_QUANT, QuantConfig(32, 8, 4), QuantConfig(16, 8, 2),
                     QuantConfig(32, 32, 4, "rows_fma"), QuantConfig(32, 64, 4, "rows_fma"),
-                    QuantConfig(16, 32, 4, "rows_fma"), QuantConfig(32, 32, 4, "rows_fma", 2),
+                    QuantConfig(32, 32, 4, "rows_fma", 2),
                     QuantConfig(32, 32, 4, "rows_pred"))
 
 
@@ -530,7 +539,7 @@ def quant(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool = True,
     s_rows, s_cols = s.shape
     if s_rows == 0:
         return q, s
-    cfg = cfg or DEFAULT_QUANT
+    cfg = cfg or default_quant_config(m)
     grid = (triton.cdiv(s_rows, cfg.block_m), triton.cdiv(s_cols, cfg.block_g))
     args = (x, global_scale, q, s.view(torch.uint8), m, k, x.stride(0), s_rows, s_cols, s_cols // 4)
     if cfg.variant == "split8":
