@@ -43,6 +43,7 @@ from .fp8_block_triton_quant import (  # noqa: F401 - re-exported: ft.<name> kee
     _INTERPRET,
     _bytes_view,
     _capability,
+    _device_gate,
     _device_guard,
     _e4m3_soft,
     _fix_interpreter_index,
@@ -92,17 +93,10 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
     >>> T.is_supported(torch.device("cpu"))[0] == T._INTERPRET
     True
     """
-    if device.type == "cpu":
-        if _INTERPRET:
-            return True, "Triton interpreter (TRITON_INTERPRET=1 at import)"
-        return False, "CPU runs only under TRITON_INTERPRET=1 set before triton is imported"
-    if device.type != "cuda" or torch.version.hip:
-        return False, f"needs an NVIDIA GPU, got {device}"
-    if _INTERPRET:
-        return False, "kernels were built for the interpreter (TRITON_INTERPRET=1)"
+    gate = _device_gate(device)
+    if gate is not None:
+        return gate
     major, minor = _capability(device)
-    if major < 8:
-        return False, f"needs sm80+, device is sm{major}{minor}"
     if (major, minor) < (8, 9):
         return True, f"sm{major}{minor}: e4m3 widened to fp16 in registers, fp16 tensor cores"
     if major == 8:

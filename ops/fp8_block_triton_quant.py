@@ -77,6 +77,25 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def _device_gate(device: torch.device) -> tuple[bool, str] | None:
+    """The part of ``is_supported`` every Triton fp8 module shares: a verdict
+    for the CPU (interpreter or not), non-NVIDIA devices, interpreter-built
+    kernels and pre-sm80 GPUs; None for an NVIDIA sm80+ GPU, whose reason each
+    module words itself."""
+    if device.type == "cpu":
+        if _INTERPRET:
+            return True, "Triton interpreter (TRITON_INTERPRET=1 at import)"
+        return False, "CPU runs only under TRITON_INTERPRET=1 set before triton is imported"
+    if device.type != "cuda" or torch.version.hip:
+        return False, f"needs an NVIDIA GPU, got {device}"
+    if _INTERPRET:
+        return False, "kernels were built for the interpreter (TRITON_INTERPRET=1)"
+    major, minor = _capability(device)
+    if major < 8:
+        return False, f"needs sm80+, device is sm{major}{minor}"
+    return None
+
+
 def _fp8_mode(device: torch.device) -> tuple[bool, bool]:
     """(soft_cvt, widen).  soft_cvt: encode fp32 -> e4m3 in integer code, where
     Triton's cast is not round-to-nearest-even (the interpreter; sm89, which
@@ -140,14 +159,21 @@ def _quant_rows(x, eps, UE8M0: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.c
     s = tl.math.div_rn(tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL), 448.0)
     if UE8M0:
         s = _pow2_ceil(s, INTERPRET)
-    y = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    return _to_e4m3(x, s[:, None], SOFT_CVT, WIDEN), s
+
+
+@triton.jit
+def _to_e4m3(x, s, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
+    """e4m3(clamp(x / s, -448, 448)) with fp32 true division; NaN stays NaN.
+    Codes are e4m3 (uint8 bits when WIDEN)."""
+    y = tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     if SOFT_CVT:
         q = _e4m3_soft(y)
         if not WIDEN:
             q = q.to(tl.float8e4nv, bitcast=True)
     else:
         q = y.to(tl.float8e4nv)
-    return q, s
+    return q
 
 
 @triton.jit(do_not_specialize=["M", "stride_sm", "stride_sg"])

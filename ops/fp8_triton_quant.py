@@ -42,14 +42,15 @@ from scaledmm.oplib import FP8_MAX
 from . import fp8 as base
 # Shared with the fp8_block quantizer: how e4m3 is encoded on a device (and
 # the interpreter patch, applied when that module is imported).
-from .fp8_block_triton_quant import (
+from .fp8_block_triton_quant import (  # noqa: F401 - _INTERPRET: Q._INTERPRET in docs and tests
     _INTERPRET,
     _bytes_view,
     _capability,
+    _device_gate,
     _device_guard,
-    _e4m3_soft,
     _fp8_mode,
     _next_pow2,
+    _to_e4m3,
 )
 
 __all__ = [
@@ -89,17 +90,10 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
     >>> Q.is_supported(torch.device("cpu"))[0] == Q._INTERPRET
     True
     """
-    if device.type == "cpu":
-        if _INTERPRET:
-            return True, "Triton interpreter (TRITON_INTERPRET=1 at import)"
-        return False, "CPU runs only under TRITON_INTERPRET=1 set before triton is imported"
-    if device.type != "cuda" or torch.version.hip:
-        return False, f"needs an NVIDIA GPU, got {device}"
-    if _INTERPRET:
-        return False, "kernels were built for the interpreter (TRITON_INTERPRET=1)"
+    gate = _device_gate(device)
+    if gate is not None:
+        return gate
     major, minor = _capability(device)
-    if major < 8:
-        return False, f"needs sm80+, device is sm{major}{minor}"
     if (major, minor) < (8, 9):
         return True, f"sm{major}{minor}: no e4m3 type, codes encoded in integer code and stored as bytes"
     if major == 8:
@@ -222,19 +216,6 @@ def candidate_configs(mode: str, m: int, k: int) -> list[QuantConfig]:
 # ----------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------
-
-
-@triton.jit
-def _to_e4m3(x, s, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
-    """e4m3(clamp(x / s, -448, 448)) with fp32 true division; NaN stays NaN."""
-    y = tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    if SOFT_CVT:
-        q = _e4m3_soft(y)
-        if not WIDEN:
-            q = q.to(tl.float8e4nv, bitcast=True)
-    else:
-        q = y.to(tl.float8e4nv)
-    return q
 
 
 @triton.jit

@@ -62,3 +62,46 @@ def devices():
 import pytest  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class OfflineDriver:
+    """What ``JITFunction.warmup`` asks of a Triton driver, for compiling to a
+    GPU target on a machine without one (nothing runs):
+    ``triton.runtime.driver.set_active(OfflineDriver(90))``."""
+
+    def __init__(self, cap: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", cap, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def is_active(self):
+        return True
+
+
+def cubin_usage(kernel) -> str:
+    """``REG:n STACK:n SHARED:n LOCAL:n`` of a compiled Triton kernel (cuobjdump
+    from the Triton wheel)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    return re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", out).group(0)

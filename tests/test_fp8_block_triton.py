@@ -78,40 +78,12 @@ if INNER is None:
 
 
 def _codegen_main() -> None:
-    import re
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    class OfflineDriver:  # what JITFunction.warmup asks of a driver; nothing runs
-        def __init__(self, cap):
-            self.target = GPUTarget("cuda", cap, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return self.target
-
-        def is_active(self):
-            return True
-
+    from helpers import OfflineDriver
+    from helpers import cubin_usage as usage
     from scaledmm.ops import fp8_block_triton as T
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-    def usage(kernel) -> str:
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(kernel.asm["cubin"])
-        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        os.unlink(f.name)
-        return re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", out).group(0)
 
     def build(cfg, m, n, k, fused, soft, widen):
         a = torch.empty(m, k, dtype=torch.bfloat16 if fused else torch.float8_e4m3fn)

@@ -153,37 +153,10 @@ def test_sm90_sm89_sm80_codegen():
 
 
 def _codegen_main() -> None:
-    import re
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
-    class OfflineDriver:  # what JITFunction.warmup asks of a driver; nothing runs
-        def __init__(self, cap):
-            self.target = GPUTarget("cuda", cap, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return self.target
-
-        def is_active(self):
-            return True
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-    def usage(kernel) -> str:
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(kernel.asm["cubin"])
-        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        os.unlink(f.name)
-        return re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", out).group(0)
+    from helpers import OfflineDriver
+    from helpers import cubin_usage as usage
 
     m, k = 4096, 7168
     x = torch.empty(m, k, dtype=torch.bfloat16)
