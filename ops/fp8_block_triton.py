@@ -13,6 +13,10 @@
   registers (``fp8_block_linear``, the quant module's ``_quant_rows``),
   bit-identical to the quant op + GEMM.
 * ``_splitk_reduce_kernel``: sums split-K partials (+ bias), rounds once.
+  ``MMConfig.one_launch`` folds that second launch into ``_mm_kernel``: the
+  last program of each output tile (per-tile counter, release/acquire) sums
+  the partials in split order and resets its counter to 0 (no memset, CUDA
+  graph safe), bit-identical to the two-launch path.
 
 Devices: sm90 (wgmma, TMA), sm89 and sm100+ (native fp8 dot), sm80 (no e4m3:
 bytes widened exactly to fp16, fp16 MMA; e4m3 NaN codes read as numbers),
@@ -146,6 +150,10 @@ class MMConfig:
         One program per SM looping over tiles (split_k must be 1).
     warp_specialize : bool
         Ask Triton to split producer and consumer warps (sm90+).
+    one_launch : bool
+        Split-K without the reduce launch: the last program to finish an
+        output tile sums the partials in split order (+ bias, one rounding),
+        so the result equals the two-launch path bit for bit (split_k > 1).
     """
 
     block_m: int
@@ -158,10 +166,11 @@ class MMConfig:
     tma: bool = False
     persistent: bool = False
     warp_specialize: bool = False
+    one_launch: bool = False
 
     def short(self) -> str:
         flags = "".join(f for f, on in (("S", self.swap_ab), ("T", self.tma), ("P", self.persistent),
-                                        ("W", self.warp_specialize)) if on)
+                                        ("W", self.warp_specialize), ("O", self.one_launch)) if on)
         return (f"{self.block_m}x{self.block_n}k{self.split_k}w{self.num_warps}s{self.num_stages}"
                 + (f"-{flags}" if flags else ""))
 
@@ -198,6 +207,8 @@ def config_ok(cfg: MMConfig, m: int, n: int, k: int, fused: bool = False) -> tup
         (1 <= cfg.split_k <= max(1, min(64, kb)), f"split_k in [1, min(64, K blocks = {kb})]"),
         (not cfg.persistent or cfg.split_k == 1, "persistent grid needs split_k == 1"),
         (not cfg.warp_specialize or cfg.persistent, "warp specialization only with the persistent grid"),
+        (not cfg.one_launch or (cfg.split_k > 1 and not cfg.persistent), "one_launch only with split_k > 1, "
+         "not persistent"),
         (smem_bytes(cfg, 2 if fused else 1) <= _SMEM_LIMIT, f"pipeline within {_SMEM_LIMIT} B of shared memory"),
     )
     for ok, what in checks:
@@ -347,6 +358,8 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = 132, fused: bool = 
             split = _split_for(m, n, k, bm, bn, num_sms)
             for sk in sorted({split, max(1, split // 2)}):
                 out.append(MMConfig(bm, bn, split_k=sk, swap_ab=swap, num_warps=warps, num_stages=st))
+    if b <= 1:  # small M: the reduce launch is a large share of the call
+        out += [dataclasses.replace(c, one_launch=True) for c in list(out) if c.split_k > 1]
     if b >= 3:
         big = MMConfig(128, 128, num_warps=8, num_stages=4, tma=True)
         out += [big, dataclasses.replace(big, persistent=True),
@@ -449,9 +462,17 @@ def _mm_tile(a, b, a_s, b_s, M, N, K, off_m, off_n, kb_lo, kb_hi,
 
 
 @triton.jit
-def _mm_store(acc, c, ws, bias, M, N, off_m, off_n, pid_k, stride_cm,
+def _out_store(acc, c, bias, rows, cols, mask, N, stride_cm, HAS_BIAS: tl.constexpr):
+    """``acc (+ bias)`` in fp32, one rounding to ``c``'s dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(c + rows * stride_cm + cols, acc.to(c.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mm_store(acc, c, ws, bias, counters, M, N, off_m, off_n, pid_k, split_k, tile, stride_cm,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
-              SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+              SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, HAS_BIAS: tl.constexpr):
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     if SWAP_AB:
@@ -462,18 +483,32 @@ def _mm_store(acc, c, ws, bias, M, N, off_m, off_n, pid_k, stride_cm,
         cols = offs_n[None, :]
     mask = (rows < M) & (cols < N)
     if SPLIT:
-        tl.store(ws + pid_k.to(tl.int64) * M * N + rows * N + cols, acc, mask=mask)
+        total = M.to(tl.int64) * N
+        part = ws + rows * N + cols
+        tl.store(part + pid_k.to(tl.int64) * total, acc, mask=mask)
+        if ONE_LAUNCH:
+            # Deterministic split-K in one launch: the program that raises the
+            # tile's counter to split_k (acq_rel: the partials stored before
+            # the barrier by every split are visible) sums them in split order
+            # as _splitk_reduce_kernel does (the first partial, not 0.0 + it,
+            # keeps -0.0), then puts the counter back to 0 for the next launch.
+            tl.debug_barrier()
+            count = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
+            if count == split_k - 1:
+                red = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, split_k):
+                    red += tl.load(part + s * total, mask=mask, other=0.0, cache_modifier=".cg")
+                _out_store(red, c, bias, rows, cols, mask, N, stride_cm, HAS_BIAS)
+                tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(c + rows * stride_cm + cols, acc.to(c.dtype.element_ty), mask=mask)
+        _out_store(acc, c, bias, rows, cols, mask, N, stride_cm, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M", "stride_asm", "stride_ask", "split_k"])
-def _mm_kernel(a, b, c, ws, a_s, b_s, bias, M, N, K, split_k,
+def _mm_kernel(a, b, c, ws, a_s, b_s, bias, counters, M, N, K, split_k,
                stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUP_M: tl.constexpr, SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
+               GROUP_M: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, SWAP_AB: tl.constexpr,
                QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
                EVEN_K: tl.constexpr, PERSISTENT: tl.constexpr,
                WARP_SPEC: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr,
@@ -488,8 +523,8 @@ def _mm_kernel(a, b, c, ws, a_s, b_s, bias, M, N, K, split_k,
                            stride_am, stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
                            BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, QUANT_A, A_TMA, B_TMA, EVEN_K,
                            SOFT_CVT, WIDEN, INTERPRET)
-            _mm_store(acc, c, ws, bias, M, N, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, stride_cm,
-                      BLOCK_M, BLOCK_N, SWAP_AB, False, HAS_BIAS)
+            _mm_store(acc, c, ws, bias, counters, M, N, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, 1, tile, stride_cm,
+                      BLOCK_M, BLOCK_N, SWAP_AB, False, False, HAS_BIAS)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         pid_k = tl.program_id(1)
@@ -500,8 +535,8 @@ def _mm_kernel(a, b, c, ws, a_s, b_s, bias, M, N, K, split_k,
                        stride_am, stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
                        BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, QUANT_A, A_TMA, B_TMA, EVEN_K,
                        SOFT_CVT, WIDEN, INTERPRET)
-        _mm_store(acc, c, ws, bias, M, N, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_k, stride_cm,
-                  BLOCK_M, BLOCK_N, SWAP_AB, SPLIT, HAS_BIAS)
+        _mm_store(acc, c, ws, bias, counters, M, N, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_k, split_k,
+                  tl.program_id(0), stride_cm, BLOCK_M, BLOCK_N, SWAP_AB, SPLIT, ONE_LAUNCH, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -533,6 +568,34 @@ def _descriptor(t: torch.Tensor, rows: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t, [rows, BLOCK_K])
+
+
+# One-launch split-K tile counters.  Every launch leaves its counters at 0, so
+# one zeroed buffer per device serves all launches: each stream gets its own
+# region of it on first sight (host bookkeeping only, so a capture on a new
+# stream needs no allocation and no memset); launches on one stream never
+# overlap.  A CUDA graph uses the region of the stream it was captured on:
+# do not replay it concurrently with other work of that stream.  Without the
+# device buffer (a first call inside a capture), with more tiles than a region
+# holds or more streams than regions, a call gets fresh zeros (a memset).
+COUNTER_SLOTS = 4096  # tiles per region (N = 32768 at M = 64 in 16x64 tiles: 2048)
+COUNTER_REGIONS = 64  # 1 MB per device
+_COUNTERS: dict = {}  # device -> int32 [COUNTER_REGIONS, COUNTER_SLOTS]
+_REGION_OF: dict = {}  # (device, stream handle) -> region index
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters for ``tiles`` output tiles, left at 0 by the kernel."""
+    if tiles <= COUNTER_SLOTS:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        buf = _COUNTERS.get(device)
+        if buf is None and not capturing:
+            buf = _COUNTERS[device] = torch.zeros(COUNTER_REGIONS, COUNTER_SLOTS, dtype=torch.int32, device=device)
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        region = _REGION_OF.setdefault((device, stream), len(_REGION_OF))
+        if buf is not None and region < COUNTER_REGIONS:
+            return buf[region]
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
 def _autotune_enabled() -> bool:
@@ -591,6 +654,8 @@ def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, qua
         grid = (min(tiles, _num_sms(dev)), 1)
     else:
         grid = (tiles, split)
+    one_launch = cfg.one_launch and split > 1
+    counters = _tile_counters(dev, tiles) if one_launch else out
 
     def launch(kernel, grid, *args, **kwargs):  # warmup: compile only (see precompile)
         if warmup:
@@ -600,16 +665,16 @@ def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, qua
 
     with _device_guard(dev):
         launch(
-            _mm_kernel, grid, a_arg, b_arg, out, ws, a_s, b_scales, bias_arg, m, n, k, split,
+            _mm_kernel, grid, a_arg, b_arg, out, ws, a_s, b_scales, bias_arg, counters, m, n, k, split,
             a.stride(0), b.stride(0), out.stride(0), sa0, sa1, b_scales.stride(0), b_scales.stride(1),
             float(eps),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
-            SPLIT=split > 1, SWAP_AB=cfg.swap_ab, QUANT_A=quant_a, HAS_BIAS=bias is not None,
+            SPLIT=split > 1, ONE_LAUNCH=one_launch, SWAP_AB=cfg.swap_ab, QUANT_A=quant_a, HAS_BIAS=bias is not None,
             A_TMA=a_tma, B_TMA=b_tma, EVEN_K=k % BLOCK_K == 0, PERSISTENT=cfg.persistent,
             WARP_SPEC=cfg.warp_specialize,
             SOFT_CVT=soft, WIDEN=widen, INTERPRET=_INTERPRET,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if split > 1:
+        if split > 1 and not one_launch:
             block = 1024
             launch(
                 _splitk_reduce_kernel, (triton.cdiv(m * n, block),), ws, out, bias_arg, m, n, out.stride(0), split,

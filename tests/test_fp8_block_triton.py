@@ -12,6 +12,7 @@ bit; GEMMs are compared with the SPEC formula in float64.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -86,6 +87,7 @@ def _codegen_main() -> None:
     from scaledmm.ops import fp8_block_triton as T
 
     def build(cfg, m, n, k, fused, soft, widen):
+        split = cfg.split_k > 1
         a = torch.empty(m, k, dtype=torch.bfloat16 if fused else torch.float8_e4m3fn)
         b = torch.empty(n, k, dtype=torch.float8_e4m3fn)
         out = torch.empty(m, n, dtype=torch.bfloat16)
@@ -94,9 +96,11 @@ def _codegen_main() -> None:
         a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, 128]) if cfg.tma else T._bytes_view(a, widen)
         b_arg = TensorDescriptor.from_tensor(b, [cfg.block_n, 128]) if cfg.tma else T._bytes_view(b, widen)
         return T._mm_kernel.warmup(
-            a_arg, b_arg, out, out, out if fused else sa, sb, out, m, n, k, cfg.split_k, a.stride(0), b.stride(0),
+            a_arg, b_arg, out, out, out if fused else sa, sb, out, torch.empty(8, dtype=torch.int32), m, n, k,
+            cfg.split_k, a.stride(0), b.stride(0),
             out.stride(0), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), 1e-10,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, GROUP_M=cfg.group_m, SPLIT=cfg.split_k > 1,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, GROUP_M=cfg.group_m, SPLIT=split,
+            ONE_LAUNCH=cfg.one_launch,
             SWAP_AB=cfg.swap_ab, QUANT_A=fused, HAS_BIAS=False, A_TMA=cfg.tma, B_TMA=cfg.tma, EVEN_K=True,
             PERSISTENT=cfg.persistent, WARP_SPEC=cfg.warp_specialize, SOFT_CVT=soft,
             WIDEN=widen, INTERPRET=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
@@ -111,7 +115,10 @@ def _codegen_main() -> None:
                                 (4096, 7168, 16384)) for fused in (False, True)]
         if cap == 90:
             big = T.MMConfig(128, 128, num_warps=8, num_stages=4, tma=True, persistent=True)
-            cfgs += [(big, 4096, 7168, 16384, False),
+            one = dataclasses.replace(T.default_config(1, 2112, 7168), one_launch=True)
+            one64 = dataclasses.replace(T.default_config(64, 2112, 7168), one_launch=True)
+            cfgs += [(one, 1, 2112, 7168, False), (one, 1, 2112, 7168, True), (one64, 64, 2112, 7168, False),
+                     (big, 4096, 7168, 16384, False),
                      (T.MMConfig(128, 128, num_warps=8, num_stages=4, tma=True, persistent=True,
                                  warp_specialize=True), 4096, 7168, 16384, False)]
         for cfg, m, n, k, fused in cfgs:
@@ -130,6 +137,10 @@ def _codegen_main() -> None:
                 want.append(("TMA", "cp.async.bulk.tensor" in ptx))
             if cfg.warp_specialize:
                 want.append(("warp_specialize", "warp_specialize" in ttgir))
+            if cfg.one_launch:  # the tile counter: one acq_rel add, a reset
+                want.append(("atom acq_rel add", any("atom" in ln and "acq_rel" in ln and ".add" in ln
+                                                     for ln in ptx.splitlines())))
+                want.append(("counter reset", ".exch" in ptx))
             want.append(("no spills", " STACK:0 " in res + " " and "LOCAL:0" in res))
             failures += [f"{line}: missing {what}" for what, ok in want if not ok]
         for ue8m0 in (False, True):  # the quantizer: exact division, RNE e4m3 conversion
@@ -372,6 +383,78 @@ if INNER == "interpret":
                         cfg = T.default_config(m, n, k, 132, fused, sm90)
                         assert T.config_ok(cfg, m, n, k, fused) == (True, "ok"), (m, n, k, cfg)
                 assert T.candidate_configs(m, n, k)
+
+    # ------------------------------------------------------ one-launch split-K
+
+    def bits(t):
+        return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+    ONE_LAUNCH = [T.MMConfig(16, 64, split_k=4, swap_ab=True, one_launch=True),
+                  T.MMConfig(32, 64, split_k=3, num_stages=2, one_launch=True)]
+
+    ONE_LAUNCH_MS = [1, 3, 17, 64, 65]
+    LINEAR_CASES = [(torch.bfloat16, True, True), (torch.float32, True, True), (torch.float16, False, True),
+                    (torch.bfloat16, True, False)]  # (out dtype, bias, fused quant)
+
+    @pytest.mark.parametrize("cfg", ONE_LAUNCH, ids=lambda c: c.short())
+    @pytest.mark.parametrize("m", ONE_LAUNCH_MS)
+    def test_one_launch_equals_two_launch_bitwise(cfg, m):
+        """Same bits as the reduce launch: 200 columns (a partial tile), 5 K
+        blocks (split 4: blocks 2+2+1+0, one empty split; split 3: 2+2+1),
+        strided rows; out dtypes, bias and fused quant rotate over M."""
+        n, k, i = 200, 640, ONE_LAUNCH_MS.index(m) + ONE_LAUNCH.index(cfg)
+        two = dataclasses.replace(cfg, one_launch=False)
+        assert T.config_ok(cfg, m, n, k)[0] and T.config_ok(cfg, m, n, k, True)[0]
+        a, b, sa, sb = inputs(m, n, k, col_major=m % 2 == 1, row_pad=16)
+        out_dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
+        got, want = (T.mm(a, b, sa, sb, out_dtype, c) for c in (cfg, two))
+        assert bits(got).equal(bits(want)), out_dtype
+        out_dtype, has_bias, fuse = LINEAR_CASES[i % 4]
+        x = (torch.randn(m, k + 32) * 3).to(torch.bfloat16)[:, :k]
+        bias = torch.randn(n, dtype=torch.bfloat16) if has_bias else None
+        got, want = (T.linear(x, b, sb, out_dtype, bias, c, fuse=fuse) for c in (cfg, two))
+        assert bits(got).equal(bits(want)), (out_dtype, has_bias, fuse)
+        assert not T._COUNTERS[torch.device("cpu")].any()
+
+    def test_one_launch_counters_reset_and_fallback(monkeypatch):
+        """Consecutive calls reuse one zeroed counter region (a counter left
+        non-zero would stop the next call's last program from writing: the
+        NaN poison would stay); more tiles than a region gets fresh zeros."""
+        cfg = T.MMConfig(16, 64, split_k=3, swap_ab=True, one_launch=True)
+        cpu = torch.device("cpu")
+        region = T._tile_counters(cpu, 4)
+        assert region.data_ptr() == T._tile_counters(cpu, 4).data_ptr()  # cached, not a fresh buffer
+        region[:6] = 3  # as a finished call must not leave them: no program is the last
+        a, b, sa, sb = inputs(17, 130, 384)
+        two = dataclasses.replace(cfg, one_launch=False)
+        assert T.mm(a, b, sa, sb, torch.float32, cfg).isnan().all()  # the checks below can fail
+        region.zero_()
+        for _ in range(2):
+            a, b, sa, sb = inputs(17, 130, 384)
+            assert bits(T.mm(a, b, sa, sb, torch.float32, cfg)).equal(bits(T.mm(a, b, sa, sb, torch.float32, two)))
+            assert not T._COUNTERS[cpu].any()
+        monkeypatch.setattr(T, "COUNTER_SLOTS", 2)  # 6 tiles > 2 slots: fresh zeros
+        fresh = T._tile_counters(cpu, 6)
+        assert fresh.shape == (6,) and fresh.data_ptr() != region.data_ptr()
+        assert bits(T.mm(a, b, sa, sb, torch.float32, cfg)).equal(bits(T.mm(a, b, sa, sb, torch.float32, two)))
+
+    def test_one_launch_config_space():
+        ok = T.MMConfig(16, 64, split_k=4, swap_ab=True, one_launch=True)
+        assert T.config_ok(ok, 1, 2112, 7168) == (True, "ok") and ok.short() == "16x64k4w4s4-SO"
+        for bad in (T.MMConfig(16, 64, one_launch=True),
+                    T.MMConfig(64, 64, tma=True, persistent=True, one_launch=True)):
+            ok_, why = T.config_ok(bad, 64, 2112, 7168)
+            assert not ok_ and "one_launch" in why
+        a, b, sa, sb = inputs(2, 128, 256)
+        with pytest.raises(ValueError, match="config"):
+            T.mm(a, b, sa, sb, torch.float32, T.MMConfig(16, 64, one_launch=True))
+        for m in (1, 16, 17, 64, 65, 512):
+            for n, k in ((2112, 7168), (576, 7168), (7168, 16384), (4096, 7168)):
+                assert not T.default_config(m, n, k).one_launch  # defaults wait for the H200
+                cands = T.candidate_configs(m, n, k)
+                ones = [c for c in cands if c.one_launch]
+                assert bool(ones) == (m <= 64), (m, n, k)
+                assert all(dataclasses.replace(c, one_launch=False) in cands for c in ones)
 
     # --------------------------------------------------------------- linear
 
