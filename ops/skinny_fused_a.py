@@ -63,19 +63,8 @@ def _source(file: str) -> Path:
 
 
 def is_supported(device: torch.device) -> tuple[bool, str]:
-    if device.type != "cuda":
-        return False, "needs a CUDA device"
-    cap = torch.cuda.get_device_capability(device)
-    if cap != (9, 0):
-        return False, f"kernel is compiled for sm_90a (H100/H200), device is sm{cap[0]}{cap[1]}"
-    ok, why = jit.nvrtc_available()
-    if not ok:
-        return False, why
-    try:
-        jit._driver()
-    except ImportError as e:
-        return False, f"cuda.bindings not importable: {e}"
-    return True, f"NVRTC-compiled TMA + mma.sync kernel ({why})"
+    ok, why = jit.sm90a_gate(device)
+    return (True, f"NVRTC-compiled TMA + mma.sync kernel ({why})") if ok else (False, why)
 
 
 def can_implement(p: Problem) -> tuple[bool, str]:

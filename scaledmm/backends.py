@@ -308,6 +308,20 @@ def priority(family: Family | str, device: torch.device | str) -> list[str]:
     return list(table.get("cpu", ["reference"]))
 
 
+def arch_priority(family: Family | str, arch: str) -> list[str]:
+    """The priority list stored for ``arch`` (``"sm90"``, ``"cuda"``, ...),
+    else the generic CUDA list.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> scaledmm.backends.arch_priority("fp8", "cpu")
+    ['reference']
+    """
+    table = _PRIORITY[Family.parse(family)]
+    return list(table.get(arch, table.get("cuda", ["reference"])))
+
+
 def set_priority(family: Family | str, arch: str, order: list[str]) -> None:
     """Replace the priority list of ``family`` for ``arch`` (e.g. ``"sm90"``).
 

@@ -58,7 +58,7 @@ from .core import (  # noqa: F401  (re-exports; the private names are used by op
     source_closure,
 )
 from .nvcc import NvccLibrarySpec  # noqa: F401
-from .nvrtc import CudaKernel, CudaModule, NvrtcKernelSpec, _driver  # noqa: F401
+from .nvrtc import CudaKernel, CudaModule, NvrtcKernelSpec, _driver, sm90a_gate  # noqa: F401
 
 __all__ = [
     "JitError",
@@ -70,6 +70,7 @@ __all__ = [
     "CudaKernel",
     "nvcc_path",
     "nvrtc_available",
+    "sm90a_gate",
     "cuda_include_dirs",
     "register_prebuild",
     "cached_entries",

@@ -30,6 +30,37 @@ def _driver():
     return driver
 
 
+def sm90a_gate(device) -> tuple[bool, str]:
+    """Whether an NVRTC-compiled ``sm_90a`` kernel can run on ``device``: an
+    sm90 GPU, NVRTC and the CUDA driver bindings.  On success the reason
+    names the NVRTC found (callers prefix what their kernel is).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm import jit
+    >>> jit.sm90a_gate(torch.device("cpu"))
+    (False, 'needs a CUDA device')
+    """
+    import torch
+
+    from .core import nvrtc_available
+
+    if device.type != "cuda":
+        return False, "needs a CUDA device"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return False, f"kernel is compiled for sm_90a (H100/H200), device is sm{cap[0]}{cap[1]}"
+    ok, why = nvrtc_available()
+    if not ok:
+        return False, why
+    try:
+        _driver()
+    except ImportError as e:
+        return False, f"cuda.bindings not importable: {e}"
+    return True, why
+
+
 def _check(result, what: str):
     """Unpack a cuda.bindings ``(err, *values)`` tuple, raising on error."""
     err, *values = result if isinstance(result, tuple) else (result,)

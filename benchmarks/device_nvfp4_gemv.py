@@ -1,0 +1,120 @@
+"""H200 check of the small-M NVFP4 CUDA kernel (backend ``cuda_gemv``,
+ops/nvfp4_gemv.py): correctness against the float64 reference, then the new
+kernel vs the Triton default vs bf16 ``F.linear`` at M in 1, 4, 16 on the
+llama8b shapes (cold L2: weight copies rotated past 2x L2; CUDA-graph replay;
+medians), and a config sweep printing the best config per point.
+
+    python benchmarks/device_nvfp4_gemv.py [--quick]
+
+Prints a compact table; with ``$OUT`` set, writes ``nvfp4_gemv.json`` there.
+Budget: < 90 s on the H200 (the sweep is cut to a few configs per point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import scaledmm  # noqa: E402,F401
+from benchmarks import timing  # noqa: E402
+from scaledmm.ops import nvfp4 as nv  # noqa: E402
+from scaledmm.ops import nvfp4_gemv as gv  # noqa: E402
+from scaledmm.ops import nvfp4_triton as tr  # noqa: E402
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+MS = (1, 4, 16)
+
+
+def quantized(n, k, m, copies, dev):
+    """``copies`` weight copies (packed + scales), one activation, alpha."""
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    one = torch.tensor(1.0, device=dev)
+    gs_x = (448 * 6 / x.float().abs().amax()).reshape(())
+    qa, sa = torch.ops.scaledmm.nvfp4_quant(x, gs_x)
+    ws = []
+    for _ in range(copies):
+        w = (torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16)
+        gs_w = (448 * 6 / w.float().abs().amax()).reshape(())
+        qb, sb = torch.ops.scaledmm.nvfp4_quant(w, gs_w)
+        ws.append((qb, sb, w))
+    alpha = (1.0 / (gs_x * 448 * 6)).float() * one
+    return x, qa, sa, ws, alpha
+
+
+def check(qa, sa, qb, sb, alpha, out):
+    ref = nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t() * alpha.double()
+    err = ((out.double() - ref).abs() / (ref.abs() + 1e-3 * ref.abs().max())).max().item()
+    return torch.isfinite(out).all().item() and err < 2 ** -7, err
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    cfg_t = timing.TimingConfig.for_device(dev, quick=True)
+    t_start = time.time()
+    rows, fails = [], 0
+    for n, k in SHAPES:
+        bf16_bytes = n * k * 2
+        copies = timing.copies_for(n * k * 9 // 16, cfg_t)
+        bf_copies = timing.copies_for(bf16_bytes, cfg_t)
+        for m in MS:
+            x, qa, sa, ws, alpha = quantized(n, k, m, max(copies, bf_copies) if m == 1 else copies, dev)
+            mb = gv.m_bucket(m)
+            qb, sb, _ = ws[0]
+            out = gv.gemv_mm(qa, qb, sa, sb, alpha)
+            ok, err = check(qa, sa, qb, sb, alpha, out)
+            det = torch.equal(out, gv.gemv_mm(qa, qb, sa, sb, alpha))
+            fails += (not ok) + (not det)
+
+            def t(fn_for):
+                return timing.measure([fn_for(c) for c in ws[:copies]], dev, cfg_t).median_us
+
+            us_new = t(lambda c: lambda: gv.gemv_mm(qa, c[0], sa, c[1], alpha))
+            us_tri = t(lambda c: lambda: tr.mm(qa, c[0], sa, c[1], alpha))
+            wbf = [c[2] for c in ws[:bf_copies]] if m == 1 else None
+            if wbf is None:
+                wbf = [(torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16) for _ in range(bf_copies)]
+            us_bf = timing.measure([(lambda w: lambda: F.linear(x, w))(w) for w in wbf], dev, cfg_t).median_us
+            del wbf
+            sweep = []
+            budget = 4 if args.quick else 10
+            for cfg in gv.candidate_configs(n, k, mb)[:budget]:
+                try:
+                    us = t(lambda c, cfg=cfg: lambda: gv.launch(qa, c[0], sa, c[1], alpha, None,
+                                                                nv.mm_output(qa, c[0], torch.bfloat16), cfg))
+                except Exception as e:  # noqa: BLE001 - a config that fails is reported, not fatal
+                    print(f"  {n}x{k} m={m} {cfg.short()}: {type(e).__name__}: {e}"[:200])
+                    continue
+                sweep.append((us, cfg.short()))
+            best = min(sweep) if sweep else (float("nan"), "-")
+            rows.append(dict(n=n, k=k, m=m, ok=bool(ok), det=det, err=err, gemv_us=us_new, triton_us=us_tri,
+                             bf16_us=us_bf, default=gv.choose_config(n, k, mb).short(), best=best[1],
+                             best_us=best[0], sweep=sweep))
+            print(f"{n}x{k} m={m}: ok={ok} det={det} gemv {us_new:.1f} triton {us_tri:.1f} bf16 {us_bf:.1f} "
+                  f"best {best[1]} {best[0]:.1f}  ({time.time() - t_start:.0f}s)", flush=True)
+            del ws
+            torch.cuda.empty_cache()
+    print("\n| N x K | M | ok | gemv us | triton us | bf16 us | bf16/gemv | default | best cfg | best us |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['n']}x{r['k']} | {r['m']} | {'y' if r['ok'] and r['det'] else 'NO'} | {r['gemv_us']:.1f} | "
+              f"{r['triton_us']:.1f} | {r['bf16_us']:.1f} | {r['bf16_us'] / r['gemv_us']:.2f}x | {r['default']} | "
+              f"{r['best']} | {r['best_us']:.1f} |")
+    print(f"\n{fails} correctness/determinism failures; {time.time() - t_start:.0f} s")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "nvfp4_gemv.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""Backend ``cuda_gemv`` of the ``nvfp4`` family: our CUDA kernel for W4A4
+``nvfp4_mm`` at small M (M <= 16) on Hopper, ``csrc/nvfp4_gemv.cu``, compiled
+at run time with NVRTC for the (N, K, config, M bucket, output / bias dtype)
+it meets, cached on disk (``scaledmm.jit``), launched on torch's current stream.
+
+The kernel streams the packed weight straight into registers
+(``ld.global.nc.L1::no_allocate.v4``), decodes e2m1 to fp16 with ~1.4 integer
+instructions per value, applies the e4m3 block scales exactly in the decode
+(one ``mul.rn.f16x2`` per two values) and multiplies on ``mma.sync
+m16n8k16`` f16 tensor cores with fp32 accumulation: exact W4A4 products, fp32
+sums, one rounding to the output.  Split K over warps (shared memory) and
+over the CTAs of a thread-block cluster (DSMEM), in a fixed order:
+deterministic, no workspace, CUDA-graph safe.  See the .cu file's header.
+
+**Opt-in.** The backend is always registered (``use_backend("nvfp4",
+"cuda_gemv")`` and ``SCALEDMM_NVFP4_BACKEND=cuda_gemv`` reach it), but it
+joins the automatic sm90 priority list, first, only when the environment
+variable ``SCALEDMM_NVFP4_GEMV=1`` is set when this module is imported; it
+becomes a default once the H200 has validated it
+(``benchmarks/device_nvfp4_gemv.py``).
+
+Read top to bottom: capability checks, the config space (frozen dataclass,
+one validity predicate :func:`config_valid`, :func:`choose_config`), the
+launcher, backend registration.
+
+Examples
+--------
+>>> from scaledmm.ops import nvfp4_gemv as gv
+>>> cfg = gv.choose_config(4096, 4096, m_bucket=8)
+>>> gv.config_valid(cfg, 4096, 4096, 8)
+(True, 'ok')
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from scaledmm import backends, jit
+from scaledmm.backends import Backend, Family, Problem
+from scaledmm.ops import nvfp4 as nv
+
+FAMILY = Family.NVFP4
+NAME = "cuda_gemv"
+OP = "nvfp4_mm"
+ENV_ENABLE = "SCALEDMM_NVFP4_GEMV"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCE = "nvfp4_gemv.cu"
+KERNEL = "nvfp4_gemv"
+ARCH = "sm_90a"
+MAX_M = 16
+K_MULTIPLE = 32  # one 16-byte load = 32 codes of a row
+M_BUCKETS = (8, 16)
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+BIAS_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+NUM_SMS_H200 = 132
+REGS_PER_SM = 65536
+MAX_REGS = 255
+SMEM_STATIC = 48 * 1024
+
+# ----------------------------------------------------------------------------
+# Capability checks
+# ----------------------------------------------------------------------------
+
+
+def _source() -> Path:
+    """The kernel source, in the repo (editable install) or the installed package."""
+    if (CSRC / SOURCE).is_file():
+        return CSRC / SOURCE
+    return jit._package_csrc() / SOURCE
+
+
+def is_supported(device: torch.device) -> tuple[bool, str]:
+    """An sm90 GPU with NVRTC and the CUDA driver bindings."""
+    ok, why = jit.sm90a_gate(device)
+    return (True, f"NVRTC-compiled register-streaming mma.sync kernel ({why})") if ok else (False, why)
+
+
+def can_implement(p: Problem) -> tuple[bool, str]:
+    """W4A4 ``nvfp4_mm`` with M <= 16, K % 32 == 0, bf16/fp16 output, activation
+    rows 16-byte aligned (any N)."""
+    if p.opt("w4a16") is not False:
+        return False, "implements W4A4 nvfp4_mm only"
+    if p.m > MAX_M:
+        return False, f"needs M <= {MAX_M}, got M={p.m}"
+    if p.k % K_MULTIPLE != 0 or p.k <= 0:
+        return False, f"needs K a positive multiple of {K_MULTIPLE}, got K={p.k}"
+    if p.out_dtype not in OUT_DTYPES:
+        return False, f"writes bf16 or fp16, got out_dtype={p.out_dtype}"
+    if p.m > 1 and p.a_row_stride % K_MULTIPLE != 0:
+        return False, f"needs an activation row stride that is a multiple of 16 bytes, got {p.a_row_stride // 2} bytes"
+    return True, "M <= 16, K % 32 == 0"
+
+
+# ----------------------------------------------------------------------------
+# Config space
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Compile-time configuration of ``nvfp4_gemv``.
+
+    Parameters
+    ----------
+    rows : int
+        Weight rows per CTA (16, 32 or 64); more rows share one activation decode.
+    warps : int
+        Warps per CTA; they take 128-wide K units round-robin.
+    split_k : int
+        CTAs per cluster splitting K (1, 2, 4, 8); partials added through DSMEM.
+    unroll : int
+        128-wide K units per register batch (two batches in flight per warp).
+    """
+
+    rows: int = 32
+    warps: int = 4
+    split_k: int = 1
+    unroll: int = 2
+
+    def registers(self, m_bucket: int) -> int:
+        """Estimated registers per thread (two batches of 16-byte loads and
+        scales, accumulators, the decoded activation), an upper bound of
+        ptxas' count (checked by the tests)."""
+        nt, mf = self.rows // 16, m_bucket // 8
+        return 2 * self.unroll * (2 * nt + mf) * 5 + nt * mf * 4 + mf * 16 + 48
+
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def grid(self, n: int) -> tuple[int, int]:
+        return (-(-n // self.rows), self.split_k)
+
+    def defines(self, n: int, k: int, m_bucket: int, out_dtype: torch.dtype,
+                bias_dtype: torch.dtype | None) -> dict[str, int]:
+        return {"G_N": n, "G_K": k, "G_ROWS": self.rows, "G_WARPS": self.warps, "G_SPLIT": self.split_k,
+                "G_UNROLL": self.unroll, "G_MB": m_bucket, "G_OUT_F16": int(out_dtype == torch.float16),
+                "G_BIAS": BIAS_CODES[bias_dtype]}
+
+    def short(self) -> str:
+        return f"r{self.rows}w{self.warps}s{self.split_k}u{self.unroll}"
+
+
+def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int) -> tuple[bool, str]:
+    """THE validity predicate of a config for a shape (dispatch, benchmark and
+    tests).  Mirrors the kernel's static_asserts and the resource limits."""
+    if not isinstance(cfg, GemvConfig):
+        return False, f"expected a GemvConfig, got {type(cfg).__name__}"
+    if m_bucket not in M_BUCKETS:
+        return False, f"m_bucket must be one of {M_BUCKETS}, got {m_bucket}"
+    if n <= 0 or k <= 0 or k % K_MULTIPLE != 0:
+        return False, f"needs N > 0 and K a positive multiple of {K_MULTIPLE}, got N={n}, K={k}"
+    if cfg.rows not in (16, 32, 64):
+        return False, f"rows must be 16, 32 or 64, got {cfg.rows}"
+    if cfg.split_k not in (1, 2, 4, 8):
+        return False, f"split_k must be 1, 2, 4 or 8, got {cfg.split_k}"
+    if not 1 <= cfg.warps <= 16:
+        return False, f"warps must be 1..16, got {cfg.warps}"
+    if not 1 <= cfg.unroll <= 4:
+        return False, f"unroll must be 1..4, got {cfg.unroll}"
+    limit = min(MAX_REGS, REGS_PER_SM // cfg.threads())
+    if cfg.registers(m_bucket) > limit:
+        return False, f"about {cfg.registers(m_bucket)} registers per thread, over the limit {limit}"
+    if cfg.warps * cfg.rows * m_bucket * 4 > SMEM_STATIC:
+        return False, "reduction buffer over 48 KiB of shared memory"
+    units = -(-k // 128)
+    if units < cfg.split_k:
+        return False, f"split_k {cfg.split_k} exceeds the {units} 128-wide K units"
+    return True, "ok"
+
+
+def m_bucket(m: int) -> int:
+    return 8 if m <= 8 else 16
+
+
+# Measured best configs per (N, K) and M bucket; empty until the H200 run of
+# benchmarks/device_nvfp4_gemv.py (its sweep prints the winners).
+TUNING: dict[tuple[int, int], dict[int, GemvConfig]] = {}
+
+
+def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
+    """A config for an unseen shape: 32-row tiles (16 when N is small), split
+    K over clusters until there are about two CTAs per SM, 4 warps, the
+    deepest register batch (<= 2 units) that still gives each warp two."""
+    rows = 32 if -(-n // 32) >= num_sms // 2 else 16
+    tiles = -(-n // rows)
+    units = -(-k // 128)
+    split = 1
+    while tiles * split < 2 * num_sms and split < 8 and units >= 4 * split * 2:
+        split *= 2
+    for warps in (4, 2, 1):
+        for unroll in (2, 1):
+            cfg = GemvConfig(rows, warps, split, unroll)
+            if config_valid(cfg, n, k, m_bucket)[0] and units / split / warps >= 2 * unroll:
+                return cfg
+    return GemvConfig(rows, 1, split, 1)
+
+
+def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
+    """The measured table's config (``TUNING``) or :func:`default_config`."""
+    cfg = TUNING.get((n, k), {}).get(m_bucket)
+    if cfg is None or not config_valid(cfg, n, k, m_bucket)[0]:
+        cfg = default_config(n, k, m_bucket, num_sms)
+    return cfg
+
+
+def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> list[GemvConfig]:
+    """The benchmark's sweep: the default first, then tile x split x warps x
+    unroll points that are valid and keep at least one unit per warp."""
+    out = {choose_config(n, k, m_bucket, num_sms): None}
+    units = -(-k // 128)
+    for rows in (16, 32, 64):
+        for split in (1, 2, 4, 8):
+            for warps in (2, 4, 8):
+                for unroll in (1, 2):
+                    cfg = GemvConfig(rows, warps, split, unroll)
+                    if config_valid(cfg, n, k, m_bucket)[0] and units / split >= warps * unroll:
+                        out.setdefault(cfg, None)
+    return list(out)
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_spec(n: int, k: int, m_bucket: int, cfg: GemvConfig, out_dtype: torch.dtype = torch.bfloat16,
+                bias_dtype: torch.dtype | None = None) -> jit.NvrtcKernelSpec:
+    """The NVRTC spec of one instantiation (validated)."""
+    ok, why = config_valid(cfg, n, k, m_bucket)
+    if not ok:
+        raise ValueError(f"cfg: expected a valid config for N={n}, K={k}, M bucket {m_bucket}, got {cfg}: {why}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype: expected bf16 or fp16, got {out_dtype}")
+    if bias_dtype not in BIAS_CODES:
+        raise ValueError(f"bias_dtype: expected None, fp32, bf16 or fp16, got {bias_dtype}")
+    return jit.NvrtcKernelSpec(KERNEL, _source(), arch=ARCH,
+                               defines=cfg.defines(n, k, m_bucket, out_dtype, bias_dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The 16-byte alignment the kernel's vector loads need (host-side, no sync)."""
+    return (a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+            and (a.shape[0] <= 1 or a.stride(0) % 16 == 0))
+
+
+def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: GemvConfig | None = None) -> torch.Tensor:
+    """Run the kernel into ``out`` ([M, N], contiguous) on the current stream.
+
+    Arguments must already be validated (``nvfp4.check_mm_args``), with
+    1 <= M <= 16, K % 32 == 0, bf16/fp16 ``out`` and :func:`aligned` operands.
+    """
+    m = a.shape[0]
+    n, k = b.shape[0], 2 * b.shape[1]
+    mb = m_bucket(m)
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    cfg = cfg or choose_config(n, k, mb, num_sms(dev))
+    spec = kernel_spec(n, k, mb, cfg, out.dtype, None if bias is None else bias.dtype)
+    spec.kernel().launch(cfg.grid(n), cfg.threads(),
+                         (a, b, a_scales, b_scales, alpha, bias, out, ctypes.c_int(m), ctypes.c_longlong(a.stride(0))),
+                         device=a.device)
+    return out
+
+
+def gemv_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None, cfg: GemvConfig | None = None):
+    """Backend entry: a fresh ``[M, N]`` ``alpha * deq(a) @ deq(b).T (+ bias)``.
+
+    Operands that are not 16-byte aligned (a view at an odd offset) go to the
+    next backend that can run the call (``triton``, else ``reference``).
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)     # doctest: +SKIP
+    >>> w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> one = torch.tensor(1.0, device="cuda")                            # doctest: +SKIP
+    >>> qa, sa = torch.ops.scaledmm.nvfp4_quant(x, one)                   # doctest: +SKIP
+    >>> qb, sb = torch.ops.scaledmm.nvfp4_quant(w, one)                   # doctest: +SKIP
+    >>> with scaledmm.use_backend("nvfp4", "cuda_gemv"):                  # doctest: +SKIP
+    ...     out = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, one)
+    """
+    out = nv.mm_output(a, b, out_dtype)
+    if a.shape[0] == 0 or b.shape[0] == 0:
+        return out
+    if not aligned(a, b):
+        for name in ("triton", "reference"):
+            other = backends.get(FAMILY, name) if name in backends.names(FAMILY) else None
+            if other is not None and other.check(nv.mm_problem(a, b, out_dtype, bias))[0]:
+                return other.impls[OP](a, b, a_scales, b_scales, alpha, out_dtype, bias)
+    return launch(a, b, a_scales, b_scales, alpha, bias, out, cfg)
+
+
+# ----------------------------------------------------------------------------
+# Backend registration (opt-in for automatic selection)
+# ----------------------------------------------------------------------------
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_ENABLE, "0") not in ("", "0")
+
+
+def sm90_priority(enabled: bool) -> list[str]:
+    """The nvfp4 sm90 priority list with or without this backend first."""
+    base = [b for b in backends.arch_priority(FAMILY, "sm90") if b != NAME]
+    return [NAME, *base] if enabled else base
+
+
+backends.register(Backend(
+    FAMILY, NAME,
+    impls={OP: gemv_mm},
+    is_supported=is_supported,
+    can_implement=can_implement,
+    description=(f"NVRTC register-streaming FP4 decode + mma.sync f16, M <= 16 (csrc/{SOURCE}); "
+                 f"auto-selected on sm90 only with {ENV_ENABLE}=1"),
+))
+ENABLED = enabled_by_env()  # read once, at import
+if ENABLED:
+    backends.set_priority(FAMILY, "sm90", sm90_priority(True))
+
+
+# ----------------------------------------------------------------------------
+# Pre-build hook: python -m scaledmm.jit build --nvfp4-gemv N:K[,N:K...]
+# ----------------------------------------------------------------------------
+
+
+def prebuild_specs(value: str) -> list[jit.NvrtcKernelSpec]:
+    """Specs of both M buckets and both output dtypes (no bias) for each ``N:K``."""
+    specs: dict[str, jit.NvrtcKernelSpec] = {}
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            n, k = (int(v) for v in item.split(":"))
+        except ValueError:
+            raise ValueError(f"--nvfp4-gemv: expected N:K pairs such as 4096:4096, got {item!r}") from None
+        for mb in M_BUCKETS:
+            for dt in OUT_DTYPES:
+                spec = kernel_spec(n, k, mb, choose_config(n, k, mb), dt, None)
+                specs.setdefault(spec.key, spec)
+    return list(specs.values())
+
+
+jit.register_prebuild("nvfp4-gemv", prebuild_specs,
+                      help="N:K[,N:K...] NVFP4 small-M kernels (both M buckets, bf16 and fp16 outputs)")

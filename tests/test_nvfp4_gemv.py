@@ -1,0 +1,348 @@
+"""Backend ``cuda_gemv`` of nvfp4 (ops/nvfp4_gemv.py, csrc/nvfp4_gemv.cu).
+
+CPU: the decoder's bit tricks on a numpy emulator, NVRTC compiles of every
+instance the dispatch and the benchmark use (sm_90a, no GPU needed), the
+config predicate, the opt-in gating, argument checks.  GPU (skipped without
+CUDA): against the float64 reference at M in 1, 3, 8, 16, llama8b shapes and
+an odd N, bias and alpha, poisoned outputs, CUDA graphs, determinism."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import pytest
+import torch
+from helpers import poison_
+
+import scaledmm
+from scaledmm import backends, jit
+from scaledmm.backends import Family, Problem
+from scaledmm.ops import nvfp4 as nv
+from scaledmm.ops import nvfp4_gemv as gv
+
+LLAMA8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+nvrtc = pytest.mark.skipif(not jit.nvrtc_available()[0], reason="NVRTC not available")
+requires_sm90 = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm90 GPU")
+
+
+# ----------------------------------------------------------------------------
+# The decoder (decode8 in the .cu file), emulated bit for bit
+# ----------------------------------------------------------------------------
+
+
+def _rotl(x, s):
+    return ((x << s) | (x >> (32 - s))) & 0xFFFFFFFF
+
+
+def decode8_emulated(w: np.ndarray) -> np.ndarray:
+    """uint32 words -> [len, 4] uint32 fp16x2 registers, as decode8 computes
+    them before the scale multiply."""
+    w = w.astype(np.uint64)
+    rot = _rotl(w, 3)
+    xe = (w & ~np.uint64(0x40404040) & 0xFFFFFFFF) | (rot & 0x40404040)
+    xo = (w & ~np.uint64(0x04040404) & 0xFFFFFFFF) | (rot & 0x04040404)
+    f = 0x8E008E00
+    r = [((xe << 9) & 0xFFFFFFFF) & f, ((xo << 5) & 0xFFFFFFFF) & f, (xe << 1) & 0xFFFFFFFF & f,
+         ((xo >> 3) | (xo << 29)) & 0xFFFFFFFF & f]
+    return np.stack(r, axis=1).astype(np.uint32)
+
+
+def test_decoder_gives_every_code_exactly():
+    rng = np.random.default_rng()
+    words = np.concatenate([rng.integers(0, 2 ** 32, 20000, dtype=np.uint64),
+                            np.array([0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567, 0xFFFFFFFF, 0], dtype=np.uint64)])
+    regs = decode8_emulated(words)
+    halves = np.stack([regs & 0xFFFF, regs >> 16], axis=2).astype(np.uint16).view(np.float16).astype(np.float64)
+    codes = (words[:, None] >> (4 * np.arange(8, dtype=np.uint64))) & 0xF
+    want = nv.e2m1_decode(torch.from_numpy(codes.astype(np.uint8))).double().numpy() * 2.0 ** -14
+    for j in range(4):  # register j = {lo: code j, hi: code j + 4}
+        np.testing.assert_array_equal(halves[:, j, 0], want[:, j])
+        np.testing.assert_array_equal(halves[:, j, 1], want[:, j + 4])
+    # signs survive on zeros too (-0 codes)
+    assert np.signbit(halves[-2]).all()
+
+
+def test_scaled_products_are_exact_in_fp16():
+    """e2m1 * e4m3 * 2^-14 is representable in fp16 for every code and every
+    finite e4m3 value (the decode's mul.rn.f16x2 is exact)."""
+    e4 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    e4 = e4[torch.isfinite(e4)]
+    e2 = nv.e2m1_decode(torch.arange(16, dtype=torch.uint8)).double()
+    prod = (e2[:, None] * e4[None, :]) * 2.0 ** -14
+    assert torch.equal(prod.half().double(), prod)
+
+
+# ----------------------------------------------------------------------------
+# Config space and NVRTC instances
+# ----------------------------------------------------------------------------
+
+
+def _instances():
+    out = {}
+    for n, k in LLAMA8B:
+        for mb in gv.M_BUCKETS:
+            out[(n, k, mb, gv.choose_config(n, k, mb), torch.bfloat16, None)] = None
+    out[(1040, 4096, 8, gv.choose_config(1040, 4096, 8), torch.float16, torch.float32)] = None
+    out[(1000, 96, 16, gv.GemvConfig(16, 2, 1, 1), torch.bfloat16, torch.bfloat16)] = None
+    out[(1000, 96, 8, gv.GemvConfig(64, 1, 1, 1), torch.float16, torch.float16)] = None
+    out[(4096, 4096, 16, gv.GemvConfig(64, 4, 8, 1), torch.bfloat16, None)] = None
+    return list(out)
+
+
+@nvrtc
+@pytest.mark.parametrize("n,k,mb,cfg,out_dtype,bias_dtype", _instances(),
+                         ids=lambda v: v.short() if hasattr(v, "short") else str(v))
+def test_instance_compiles_without_spills(n, k, mb, cfg, out_dtype, bias_dtype):
+    assert gv.config_valid(cfg, n, k, mb) == (True, "ok")
+    log = io.StringIO()
+    cubin = gv.kernel_spec(n, k, mb, cfg, out_dtype, bias_dtype).compile(logs=log, ptxas_options="-v")
+    assert cubin[:4] == b"\x7fELF"
+    text = log.getvalue()
+    assert re.search(r"\b0 bytes spill stores", text), text
+    regs = int(re.search(r"Used (\d+) registers", text).group(1))
+    assert regs <= cfg.registers(mb), f"estimate {cfg.registers(mb)} below the real {regs} registers"
+
+
+@nvrtc
+def test_kernel_rejects_bad_defines():
+    spec = jit.NvrtcKernelSpec(gv.KERNEL, gv._source(), arch=gv.ARCH,
+                               defines=dict(gv.GemvConfig().defines(64, 48, 8, torch.bfloat16, None)))
+    with pytest.raises(jit.CompileError, match="multiple of 32"):
+        spec.compile()
+
+
+@pytest.mark.parametrize("cfg,n,k,mb,why", [
+    (gv.GemvConfig(24), 64, 128, 8, "rows"),
+    (gv.GemvConfig(split_k=3), 64, 1024, 8, "split_k"),
+    (gv.GemvConfig(warps=0), 64, 128, 8, "warps"),
+    (gv.GemvConfig(unroll=5), 64, 128, 8, "unroll"),
+    (gv.GemvConfig(), 64, 48, 8, "multiple of 32"),
+    (gv.GemvConfig(), 0, 128, 8, "N > 0"),
+    (gv.GemvConfig(), 64, 128, 4, "m_bucket"),
+    (gv.GemvConfig(split_k=8), 64, 512, 8, "exceeds"),
+    (gv.GemvConfig(64, 16, 1, 4), 64, 4096, 16, "registers"),
+    ("r32", 64, 128, 8, "GemvConfig"),
+])
+def test_config_predicate_rejects(cfg, n, k, mb, why):
+    ok, reason = gv.config_valid(cfg, n, k, mb)
+    assert not ok and why in reason
+
+
+@pytest.mark.parametrize("n,k", LLAMA8B + [(1040, 4096), (16, 32), (5, 96)])
+@pytest.mark.parametrize("mb", gv.M_BUCKETS)
+def test_default_and_candidates_are_valid(n, k, mb):
+    cfgs = gv.candidate_configs(n, k, mb)
+    assert cfgs[0] == gv.choose_config(n, k, mb)
+    assert len(cfgs) == len(set(cfgs)) >= 1
+    for cfg in cfgs:
+        assert gv.config_valid(cfg, n, k, mb) == (True, "ok"), cfg
+    cfg = cfgs[0]
+    assert cfg.grid(n)[0] * cfg.rows >= n
+
+
+def test_kernel_spec_validates():
+    with pytest.raises(ValueError, match="cfg:"):
+        gv.kernel_spec(64, 48, 8, gv.GemvConfig())
+    with pytest.raises(ValueError, match="out_dtype:"):
+        gv.kernel_spec(64, 128, 8, gv.GemvConfig(16, 1, 1, 1), torch.float32)
+    with pytest.raises(ValueError, match="bias_dtype:"):
+        gv.kernel_spec(64, 128, 8, gv.GemvConfig(16, 1, 1, 1), torch.bfloat16, torch.int8)
+
+
+def test_prebuild_hook():
+    specs = gv.prebuild_specs("4096:4096, 1040:4096")
+    assert len({s.key for s in specs}) == len(specs) == 8
+    with pytest.raises(ValueError, match="--nvfp4-gemv"):
+        gv.prebuild_specs("4096x4096")
+
+
+# ----------------------------------------------------------------------------
+# Backend gating
+# ----------------------------------------------------------------------------
+
+
+def _problem(m, n=4096, k=4096, out_dtype=torch.bfloat16, w4a16=False, stride=None):
+    return Problem(Family.NVFP4, torch.device("cuda", 0), m, n, k, torch.uint8, out_dtype,
+                   k if stride is None else stride, (("bias", False), ("w4a16", w4a16)))
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    """Automatic selection as on an sm90 device with NVRTC (no GPU needed)."""
+    monkeypatch.setattr(backends, "arch_key", lambda d: "sm90" if d.type == "cuda" else d.type)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(jit, "nvrtc_available", lambda: (True, "stub"))
+    monkeypatch.setattr(jit, "_driver", lambda: None)
+    monkeypatch.setattr(backends, "_AUTO_TABLES", {})
+    monkeypatch.delenv("SCALEDMM_NVFP4_BACKEND", raising=False)
+    saved = dict(backends._PRIORITY[Family.NVFP4])
+    backends._invalidate()
+    yield
+    backends._PRIORITY[Family.NVFP4].clear()
+    backends._PRIORITY[Family.NVFP4].update(saved)
+    backends._invalidate()
+
+
+def test_registered_and_off_by_default(fake_sm90):
+    assert gv.NAME in backends.names("nvfp4")
+    if not gv.ENABLED:
+        assert gv.NAME not in backends.priority("nvfp4", torch.device("cuda", 0))
+    backends.set_priority("nvfp4", "sm90", gv.sm90_priority(False))
+    assert backends.select(_problem(1), "nvfp4_mm").name != gv.NAME
+
+
+def test_env_gate_puts_it_first_for_small_m(fake_sm90):
+    backends.set_priority("nvfp4", "sm90", gv.sm90_priority(True))
+    assert backends.priority("nvfp4", torch.device("cuda", 0))[0] == gv.NAME
+    for m in (1, 3, 8, 16):
+        assert backends.select(_problem(m), "nvfp4_mm").name == gv.NAME
+    assert backends.select(_problem(17), "nvfp4_mm").name != gv.NAME
+    assert backends.select(_problem(4, out_dtype=torch.float32), "nvfp4_mm").name != gv.NAME
+    assert backends.select(_problem(4, w4a16=True), "nvfp4_w4a16_mm").name != gv.NAME
+    assert gv.sm90_priority(True).count(gv.NAME) == 1
+
+
+def test_env_var_is_read(monkeypatch):
+    monkeypatch.setenv(gv.ENV_ENABLE, "1")
+    assert gv.enabled_by_env()
+    monkeypatch.setenv(gv.ENV_ENABLE, "0")
+    assert not gv.enabled_by_env()
+    monkeypatch.delenv(gv.ENV_ENABLE)
+    assert not gv.enabled_by_env()
+
+
+@pytest.mark.parametrize("p,why", [
+    (_problem(17), "M <= 16"),
+    (_problem(4, k=48), "multiple of 32"),
+    (_problem(4, out_dtype=torch.float32), "bf16 or fp16"),
+    (_problem(4, w4a16=True), "W4A4"),
+    (_problem(4, stride=4096 + 16), "16 bytes"),
+])
+def test_can_implement_says_why(p, why):
+    ok, reason = gv.can_implement(p)
+    assert not ok and why in reason
+
+
+def test_can_implement_accepts():
+    assert gv.can_implement(_problem(16, n=1040))[0]
+    assert gv.can_implement(_problem(1, stride=4096 + 16))[0]  # one row: any stride
+    assert gv.can_implement(_problem(0))[0]
+    assert not gv.is_supported(torch.device("cpu"))[0]
+
+
+def test_explicit_request_on_cpu_explains():
+    a = torch.zeros(2, 64, dtype=torch.uint8)
+    b = torch.zeros(32, 64, dtype=torch.uint8)
+    s = torch.zeros(128, 8, dtype=torch.float8_e4m3fn)
+    with scaledmm.use_backend("nvfp4", gv.NAME), pytest.raises(RuntimeError, match="CUDA device"):
+        torch.ops.scaledmm.nvfp4_mm(a, b, s, s, torch.tensor(1.0))
+
+
+# ----------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------
+
+
+def _operands(m, n, k, device="cuda"):
+    x = torch.randn(m, k, device=device) * torch.rand(m, 1, device=device) * 4
+    w = torch.randn(n, k, device=device) / k ** 0.5
+    gs_x = torch.tensor(448 * 6 / max(float(x.abs().max()), 1e-6), device=device)
+    gs_w = torch.tensor(448 * 6 / float(w.abs().max()), device=device)
+    qa, sa = torch.ops.scaledmm.nvfp4_quant(x.bfloat16(), gs_x)
+    qb, sb = torch.ops.scaledmm.nvfp4_quant(w.bfloat16(), gs_w)
+    alpha = (1.0 / (gs_x * gs_w)).float()
+    return qa, sa, qb, sb, alpha
+
+
+def _check(out, qa, sa, qb, sb, alpha, bias=None):
+    ref = nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t() * float(alpha)
+    if bias is not None:
+        ref = ref + bias.double()
+    absum = nv.dequantize(qa, sa).double().abs() @ nv.dequantize(qb, sb).double().abs().t() * float(alpha)
+    eps = 2.0 ** -8 if out.dtype == torch.bfloat16 else 2.0 ** -11
+    bound = ref.abs() * eps + absum * 2.0 ** -20 + 1e-30
+    err = (out.double() - ref).abs()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten poison?)"
+    assert (err <= bound).all(), f"worst {float((err / bound).max()):.2f}x the bound"
+
+
+def _run(qa, sa, qb, sb, alpha, out_dtype=torch.bfloat16, bias=None, cfg=None):
+    torch.full((qa.shape[0] * qb.shape[0] + 1024,), float("nan"), device="cuda")  # NaN in the allocator
+    if cfg is not None:
+        out = poison_(nv.mm_output(qa, qb, out_dtype))
+        return gv.launch(qa, qb, sa, sb, alpha, bias, out, cfg)
+    with scaledmm.use_backend("nvfp4", gv.NAME):
+        return torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha, out_dtype, bias)
+
+
+@requires_sm90
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("n,k", LLAMA8B + [(1040, 4096), (200, 96)])
+def test_gpu_matches_f64(m, n, k):
+    qa, sa, qb, sb, alpha = _operands(m, n, k)
+    _check(_run(qa, sa, qb, sb, alpha), qa, sa, qb, sb, alpha)
+
+
+@requires_sm90
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_bias_alpha(out_dtype, bias_dtype):
+    qa, sa, qb, sb, alpha = _operands(5, 1040, 2048)
+    alpha = alpha * 3.0
+    bias = torch.randn(1040, device="cuda").to(bias_dtype)
+    _check(_run(qa, sa, qb, sb, alpha, out_dtype, bias), qa, sa, qb, sb, alpha, bias)
+
+
+@requires_sm90
+@pytest.mark.parametrize("mb", gv.M_BUCKETS)
+def test_gpu_every_candidate_config(mb):
+    n, k = 1040, 4096
+    qa, sa, qb, sb, alpha = _operands(mb - 1, n, k)
+    for cfg in gv.candidate_configs(n, k, mb)[:24]:
+        _check(_run(qa, sa, qb, sb, alpha, cfg=cfg), qa, sa, qb, sb, alpha)
+
+
+@requires_sm90
+def test_gpu_zero_m_strided_and_misaligned():
+    qa, sa, qb, sb, alpha = _operands(4, 256, 512)
+    assert _run(qa[:0], sa, qb, sb, alpha).shape == (0, 256)
+    wide = torch.zeros(4, 512, dtype=torch.uint8, device="cuda")
+    wide[:, :256] = qa
+    _check(_run(wide[:, :256], sa, qb, sb, alpha), qa, sa, qb, sb, alpha)  # row stride 512 bytes
+    odd = torch.zeros(4, 257, dtype=torch.uint8, device="cuda")
+    odd[:, 1:] = qa
+    _check(_run(odd[:, 1:], sa, qb, sb, alpha), qa, sa, qb, sb, alpha)  # misaligned: falls back
+
+
+@requires_sm90
+def test_gpu_nan_scale_propagates_to_its_row():
+    qa, sa, qb, sb, alpha = _operands(3, 64, 256)
+    s = nv.unswizzle_block_scales(sa, 3, 16)
+    s.view(torch.uint8)[1, 2] = 0x7F  # e4m3 NaN
+    sa = nv.swizzle_block_scales(s)
+    out = _run(qa, sa, qb, sb, alpha)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+
+
+@requires_sm90
+def test_gpu_deterministic_and_cuda_graph():
+    qa, sa, qb, sb, alpha = _operands(16, 4096, 4096)
+    first = _run(qa, sa, qb, sb, alpha)
+    assert torch.equal(first, _run(qa, sa, qb, sb, alpha))
+    with scaledmm.use_backend("nvfp4", gv.NAME):
+        torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha)  # compile + load outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha)
+        qa2, sa2, _, _, _ = _operands(16, 4096, 4096)
+        qa.copy_(qa2)
+        sa.copy_(sa2)
+        graph.replay()
+        torch.cuda.synchronize()
+        again = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha)
+    assert torch.equal(captured, again)
+    assert not torch.equal(captured, first)
