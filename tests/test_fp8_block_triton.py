@@ -217,6 +217,11 @@ if INNER == "interpret":
         part = torch.einsum("mjk,njk->mnj", A.view(m, kb, 128), B.view(n, kb, 128))
         return torch.einsum("mnj,mj,nj->mn", part, sa.double(), sb.double().repeat_interleave(128, 0)[:n])
 
+    # The interpreter converts fp32 -> bf16 by truncation (up to 2**-7 relative;
+    # the GPU rounds to nearest even, 2**-8): with M = 1 a norm-wise 4e-3 failed
+    # on some random draws, so half-precision outputs get 8e-3 here.
+    HALF_TOL = 8e-3
+
     def inputs(m, n, k, col_major=False, row_pad=0, pad_b_scales=False):
         a = (torch.randn(m, k + row_pad) * 2).to(FP8)[:, :k]
         b = (torch.randn(n, k) * 2).to(FP8)
@@ -345,7 +350,7 @@ if INNER == "interpret":
         assert out.shape == (m, 160) and out.dtype == out_dtype
         ref = mm_ref64(a, b, sa, sb)
         if m:
-            assert rel_err(out, ref) < (1e-5 if out_dtype == torch.float32 else 4e-3)
+            assert rel_err(out, ref) < (1e-5 if out_dtype == torch.float32 else HALF_TOL)
 
     def test_mm_nan_stays_in_its_row_and_column():
         a, b, sa, sb = inputs(5, 192, 256)
@@ -478,7 +483,7 @@ if INNER == "interpret":
                 assert torch.equal(fused, two_step)
             assert torch.equal(T.linear(x, b, sb, out_dtype, bv, cfg, fuse=False), fused)
         ref = base.reference_linear(x, b, sb, (128, 128), torch.float32, bv)
-        assert rel_err(fused.float(), ref) < (1e-5 if out_dtype == torch.float32 else 4e-3)
+        assert rel_err(fused.float(), ref) < (1e-5 if out_dtype == torch.float32 else HALF_TOL)
 
     def test_linear_op_through_backend():
         x = torch.randn(70, 256, dtype=torch.float16)  # unfused path (M > FUSE_QUANT_MAX_M)
