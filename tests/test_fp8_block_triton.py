@@ -438,7 +438,9 @@ if INNER == "interpret":
             a, b, sa, sb = inputs(17, 130, 384)
             assert bits(T.mm(a, b, sa, sb, torch.float32, cfg)).equal(bits(T.mm(a, b, sa, sb, torch.float32, two)))
             assert not T._COUNTERS[cpu].any()
-        monkeypatch.setattr(T, "COUNTER_SLOTS", 2)  # 6 tiles > 2 slots: fresh zeros
+        from scaledmm.ops import fp8_block_triton_splitk as S
+
+        monkeypatch.setattr(S, "COUNTER_SLOTS", 2)  # 6 tiles > 2 slots: fresh zeros
         fresh = T._tile_counters(cpu, 6)
         assert fresh.shape == (6,) and fresh.data_ptr() != region.data_ptr()
         assert bits(T.mm(a, b, sa, sb, torch.float32, cfg)).equal(bits(T.mm(a, b, sa, sb, torch.float32, two)))
