@@ -18,6 +18,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks import device_sanitize as ds  # noqa: E402
+from benchmarks import sanitize_children as sc  # noqa: E402
 
 SCRIPT = str(REPO / "benchmarks" / "device_sanitize.py")
 TRITON_CASES = [c.name for c in ds.CASES if "_tri_" in c.name]
@@ -268,9 +269,9 @@ def test_child_configs_are_valid_for_their_shapes():
     m, n, k = ds.FP8B_MNK
     assert k % 128 and k % 16 == 0 and n % 128  # partial K block and weight-scale block; TMA-aligned rows
     for v in ("plain", "splitk", "swap", "tma", "tma_ws"):
-        cfg = ds.fp8_triton_config(v)
+        cfg = sc.fp8_triton_config(v)
         assert ft.config_ok(cfg, m, n, k) == (True, "ok"), v
-    kb, split = -(-k // 128), ds.fp8_triton_config("splitk").split_k
+    kb, split = -(-k // 128), sc.fp8_triton_config("splitk").split_k
     assert (split - 1) * -(-kb // split) >= kb  # the last split gets no K block (as the case says)
     m, n, k = ds.FP8B_LINEAR_MNK
     assert k % 128 == 0 and ft.config_ok(ft.default_config(m, n, k, 132, fused=True), m, n, k, True)[0]
