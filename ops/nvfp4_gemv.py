@@ -49,7 +49,6 @@ FAMILY = Family.NVFP4
 NAME = "cuda_gemv"
 OP = "nvfp4_mm"
 ENV_ENABLE = "SCALEDMM_NVFP4_GEMV"
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCE = "nvfp4_gemv.cu"
 KERNEL = "nvfp4_gemv"
 ARCH = "sm_90a"
@@ -70,8 +69,6 @@ SMEM_STATIC = 48 * 1024
 
 def _source() -> Path:
     """The kernel source, in the repo (editable install) or the installed package."""
-    if (CSRC / SOURCE).is_file():
-        return CSRC / SOURCE
     return jit._package_csrc() / SOURCE
 
 

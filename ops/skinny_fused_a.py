@@ -45,7 +45,6 @@ from scaledmm.backends import Backend, Problem
 from scaledmm.ops import skinny
 
 NAME = "fused_a"
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
 ARCH = "sm_90a"
 M_BUCKETS = (8, 16)
 NUM_SMS_H200 = 132
@@ -57,8 +56,6 @@ NUM_SMS_H200 = 132
 
 def _source(file: str) -> Path:
     """A kernel source, in the repo (editable install) or the installed package."""
-    if (CSRC / file).is_file():
-        return CSRC / file
     return jit._package_csrc() / file
 
 
