@@ -31,8 +31,9 @@
 //    narrow N, across the CTAs of a cluster (DSMEM reduction, fixed order).
 //    The output is fully written by every launch from registers: no workspace,
 //    no memset, no atomics, bit-reproducible run to run, CUDA-graph safe.
-//  * PDL: griddepcontrol.wait before the first load of x or w,
-//    griddepcontrol.launch_dependents after the main loop.  Both are no-ops
+//  * PDL: the first register batch of w is requested, then
+//    griddepcontrol.wait (before any load of x or store of out), then
+//    griddepcontrol.launch_dependents at once.  Both are no-ops
 //    when the launch does not enable programmatic stream serialization.
 
 #ifndef FA_N
@@ -143,22 +144,30 @@ struct Operands {
   int u_begin, u_end;
 };
 
+// WEIGHT / ACT select the halves of a batch: the first batch loads its weight
+// before the PDL wait (the weight is never written by a preceding kernel) and
+// its x after it.
+template <bool WEIGHT = true, bool ACT = true>
 __device__ __forceinline__ void load_batch(Batch& b, const Operands& op, int batch) {
 #pragma unroll
   for (int i = 0; i < U; ++i) {
     const int unit = op.u_begin + batch * U + i;
     const bool unit_ok = FULL_UNITS || unit < op.u_end;
     const long long k0 = (long long)unit * 32;
+    if (WEIGHT) {
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
+      for (int t = 0; t < NT; ++t) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        b.w[i][t][h] = (unit_ok && (FULL_ROWS || op.w_ok[t])) ? load_weight(op.w_row[t][h] + k0) : zero4();
+        for (int h = 0; h < 2; ++h) {
+          b.w[i][t][h] = (unit_ok && (FULL_ROWS || op.w_ok[t])) ? load_weight(op.w_row[t][h] + k0) : zero4();
+        }
       }
     }
+    if (ACT) {
 #pragma unroll
-    for (int f = 0; f < MF; ++f) {
-      b.x[i][f] = (unit_ok && op.x_ok[f]) ? load_act(op.x_row[f] + k0) : zero4();
+      for (int f = 0; f < MF; ++f) {
+        b.x[i][f] = (unit_ok && op.x_ok[f]) ? load_act(op.x_row[f] + k0) : zero4();
+      }
     }
   }
 }
@@ -221,7 +230,6 @@ dsv3_fused_a_gemm(const unsigned short* __restrict__ x, const unsigned short* __
   if (FA_PREFETCH && (int)threadIdx.x < ROWS && n0 + (int)threadIdx.x < N && op.u_end > op.u_begin) {
     prefetch_l2(w + (u64)(n0 + threadIdx.x) * K + (u64)op.u_begin * 32, (u32)(op.u_end - op.u_begin) * 64u);
   }
-  grid_dependency_wait();
 
   float acc[NT][MF][4];
 #pragma unroll
@@ -232,10 +240,17 @@ dsv3_fused_a_gemm(const unsigned short* __restrict__ x, const unsigned short* __
       for (int e = 0; e < 4; ++e) acc[t][f][e] = 0.f;
 
   // Warps take batches of U units round-robin; two register batches in flight.
+  // The first batch's weight is requested before the PDL wait; the trigger
+  // follows the wait at once, so a PDL successor is scheduled while this grid
+  // streams and can request its own weight early too (its wait still holds
+  // until this grid has finished and its writes are visible).
   const int nbatch = (op.u_end - op.u_begin + U - 1) / U;
   Batch b0, b1;
   int b = warp;
-  if (b < nbatch) load_batch(b0, op, b);
+  if (b < nbatch) load_batch<true, false>(b0, op, b);
+  grid_dependency_wait();
+  launch_dependents();
+  if (b < nbatch) load_batch<false, true>(b0, op, b);
   while (b < nbatch) {
     if (b + WARPS < nbatch) load_batch(b1, op, b + WARPS);
     mma_batch(acc, b0);
@@ -245,7 +260,6 @@ dsv3_fused_a_gemm(const unsigned short* __restrict__ x, const unsigned short* __
     mma_batch(acc, b1);
     b += WARPS;
   }
-  launch_dependents();
 
   // Warp partials -> shared memory.  acc[t][f] = D of rows t*16 + g (+8),
   // columns mm = f*8 + 2*t4 (+1).

@@ -253,11 +253,12 @@ _TUNED: dict[tuple[int, int, int, bool], MMConfig] = {}  # filled below (H200 ru
 
 
 def _tuned(bucket: int | tuple[int, ...], n: int, k: int, bm: int, bn: int, split: int = 1, swap: bool = False,
-           warps: int = 4, stages: int = 4, tma: bool = False, persistent: bool = False, ws: bool = False) -> None:
+           warps: int = 4, stages: int = 4, tma: bool = False, persistent: bool = False, ws: bool = False,
+           one: bool = False) -> None:
     for b in (bucket,) if isinstance(bucket, int) else bucket:
         _TUNED[(b, n, k, False)] = MMConfig(bm, bn, split_k=split, swap_ab=swap, num_warps=warps,
                                                  num_stages=stages, tma=tma, persistent=persistent,
-                                                 warp_specialize=ws)
+                                                 warp_specialize=ws, one_launch=one)
 
 
 # H200, run 2 (benchmarks/device_results/run2_fp8_block_triton.log): the
@@ -270,7 +271,7 @@ _tuned(1, 2112, 7168, 64, 64, 8, stages=4)                  # 11.0 us vs 12.4
 _tuned(1, 4096, 7168, 64, 64, 5, stages=4)                  # 15.5 vs 22.5
 _tuned(3, 4096, 7168, 128, 128, warps=8, tma=True)          # 36.5 vs 56.9
 _tuned(0, 7168, 16384, 16, 64, 3, stages=6)                 # 40.6 (cuBLAS 41.2)
-_tuned(1, 7168, 16384, 32, 64, 3, True, stages=6)           # reasoned: k1 81 us = 112 streams
+_tuned(1, 7168, 16384, 32, 64, 3, True, stages=6, one=True)  # 60.5 us one-launch vs 80.3 (session 3)
 _tuned(3, 7168, 16384, 128, 128, warps=8, tma=True)         # 153.9 vs 168.3
 _tuned((4, 5), 7168, 16384, 128, 128, warps=8, stages=3)         # 1203 vs 1231
 _tuned(0, 7168, 2048, 16, 64, 1, True, stages=4)            # 8.3 / 9.5 / 12.4 (split 3 adds a reduce)
@@ -331,7 +332,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132, fused: bool = Fal
     Examples
     --------
     >>> default_config(1, 2112, 7168).short()
-    '16x64k8w4s6-S'
+    '16x64k8w4s6-SO'
     """
     b = m_bucket(m)
     cfg = _TUNED.get((b, n, k, fused)) if sm90 else None
@@ -341,8 +342,13 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132, fused: bool = Fal
             base_cfg = dataclasses.replace(base_cfg, block_m=32, block_n=64)
         split = _split_for(m, n, k, base_cfg.block_m, base_cfg.block_n, num_sms)
         cfg = dataclasses.replace(base_cfg, split_k=split)
+    if sm90 and b == 0 and cfg.split_k > 1 and not cfg.persistent:
+        # H200, session 3 (device_fp8_block_onelaunch.py): folding the reduce
+        # into the GEMM saves 0.6-1.5 us at M <= 16 on every dsv3 shape timed
+        # (2112x7168 M=1 9.9 -> 9.0 us); at M = 64 it lost 2 us with 64x64 tiles.
+        cfg = dataclasses.replace(cfg, one_launch=True)
     if not config_ok(cfg, m, n, k, fused)[0]:  # e.g. a tiny K
-        cfg = dataclasses.replace(cfg, split_k=1, num_stages=min(cfg.num_stages, 3))
+        cfg = dataclasses.replace(cfg, split_k=1, num_stages=min(cfg.num_stages, 3), one_launch=False)
     return cfg
 
 

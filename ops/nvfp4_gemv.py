@@ -12,12 +12,13 @@ sums, one rounding to the output.  Split K over warps (shared memory) and
 over the CTAs of a thread-block cluster (DSMEM), in a fixed order:
 deterministic, no workspace, CUDA-graph safe.  See the .cu file's header.
 
-**Opt-in.** The backend is always registered (``use_backend("nvfp4",
-"cuda_gemv")`` and ``SCALEDMM_NVFP4_BACKEND=cuda_gemv`` reach it), but it
-joins the automatic sm90 priority list, first, only when the environment
-variable ``SCALEDMM_NVFP4_GEMV=1`` is set when this module is imported; it
-becomes a default once the H200 has validated it
-(``benchmarks/device_nvfp4_gemv.py``).
+**Default on sm90** since the H200 validated it (session 3,
+``benchmarks/device_nvfp4_gemv.py``: every check bit-deterministic and within
+the float64 bound; llama8b shapes 2.2-2.4x bf16 ``F.linear`` at M <= 4 with
+the measured configs).  It is first in the automatic sm90 priority list for
+the calls it can implement (M <= 16, bf16/fp16 output); setting
+``SCALEDMM_NVFP4_GEMV=0`` before this module is imported takes it out of the
+automatic list (``use_backend("nvfp4", "cuda_gemv")`` still reaches it).
 
 Read top to bottom: capability checks, the config space (frozen dataclass,
 one validity predicate :func:`config_valid`, :func:`choose_config`), the
@@ -48,7 +49,7 @@ from scaledmm.ops import nvfp4 as nv
 FAMILY = Family.NVFP4
 NAME = "cuda_gemv"
 OP = "nvfp4_mm"
-ENV_ENABLE = "SCALEDMM_NVFP4_GEMV"
+ENV_ENABLE = "SCALEDMM_NVFP4_GEMV"  # "0": not in the automatic priority list
 SOURCE = "nvfp4_gemv.cu"
 KERNEL = "nvfp4_gemv"
 ARCH = "sm_90a"
@@ -175,22 +176,39 @@ def m_bucket(m: int) -> int:
     return 8 if m <= 8 else 16
 
 
-# Measured best configs per (N, K) and M bucket; empty until the H200 run of
-# benchmarks/device_nvfp4_gemv.py (its sweep prints the winners).
-TUNING: dict[tuple[int, int], dict[int, GemvConfig]] = {}
+G = GemvConfig
+# H200, session 3 (benchmarks/device_nvfp4_gemv.py, cold L2, graph replay; us at
+# M = 1 / 16 against bf16 F.linear in the same run).  Few long K streams per SM
+# want 8 warps on 16-row tiles; many tiles want 4 warps and, for N = 28672, 32 rows.
+TUNING: dict[tuple[int, int], dict[int, GemvConfig]] = {
+    (6144, 4096): {8: G(16, 4, 1, 2), 16: G(16, 8, 1, 1)},    # 7.8 / 10.0 (bf16 17.1 / 16.6)
+    (4096, 4096): {8: G(16, 8, 1, 2), 16: G(16, 8, 1, 2)},    # 5.7 / 7.4 (bf16 13.7)
+    (28672, 4096): {8: G(32, 4, 1, 2), 16: G(32, 4, 1, 2)},   # 24.4 / 34.6 (bf16 58.1 / 58.6)
+    (4096, 14336): {8: G(16, 8, 1, 2), 16: G(16, 8, 1, 2)},   # 15.1 / 19.8 (bf16 32.9 / 33.8)
+}
+del G
 
 
 def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
-    """A config for an unseen shape: 32-row tiles (16 when N is small), split
-    K over clusters until there are about two CTAs per SM, 4 warps, the
-    deepest register batch (<= 2 units) that still gives each warp two."""
-    rows = 32 if -(-n // 32) >= num_sms // 2 else 16
+    """A config for an unseen shape, by the rule the H200 table follows:
+    16-row tiles unless there are more than four per SM (then 32), split K
+    over clusters until every SM has a CTA, 8 warps while there are at most
+    two CTAs per SM (4 beyond), and the deepest register batch (<= 2 units)
+    that still gives each warp two of them.
+
+    Examples
+    --------
+    >>> default_config(4096, 4096, 8).short(), default_config(28672, 4096, 8).short()
+    ('r16w8s1u2', 'r32w4s1u2')
+    """
+    rows = 16 if -(-n // 16) <= 4 * num_sms else 32
     tiles = -(-n // rows)
     units = -(-k // 128)
     split = 1
-    while tiles * split < 2 * num_sms and split < 8 and units >= 4 * split * 2:
+    while tiles * split < num_sms and split < 8 and units >= 4 * split * 2:
         split *= 2
-    for warps in (4, 2, 1):
+    first = 8 if tiles * split <= 2 * num_sms else 4
+    for warps in dict.fromkeys((first, 4, 2, 1)):
         for unroll in (2, 1):
             cfg = GemvConfig(rows, warps, split, unroll)
             if config_valid(cfg, n, k, m_bucket)[0] and units / split / warps >= 2 * unroll:
@@ -207,18 +225,25 @@ def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) ->
 
 
 def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> list[GemvConfig]:
-    """The benchmark's sweep: the default first, then tile x split x warps x
-    unroll points that are valid and keep at least one unit per warp."""
-    out = {choose_config(n, k, m_bucket, num_sms): None}
+    """The benchmark's sweep: the chosen config first, then tile x split x
+    warps x unroll points that are valid and keep at least one batch per
+    warp, nearest to the chosen config first (the benchmark may cut the list)."""
+    first = choose_config(n, k, m_bucket, num_sms)
     units = -(-k // 128)
+    found = []
     for rows in (16, 32, 64):
         for split in (1, 2, 4, 8):
-            for warps in (2, 4, 8):
-                for unroll in (1, 2):
+            for warps in (2, 4, 8, 16):
+                for unroll in (1, 2, 3, 4):
                     cfg = GemvConfig(rows, warps, split, unroll)
-                    if config_valid(cfg, n, k, m_bucket)[0] and units / split >= warps * unroll:
-                        out.setdefault(cfg, None)
-    return list(out)
+                    if cfg != first and config_valid(cfg, n, k, m_bucket)[0] and units / split >= warps * unroll:
+                        found.append(cfg)
+
+    def distance(c: GemvConfig) -> int:
+        return (abs(c.rows.bit_length() - first.rows.bit_length()) + abs(c.split_k.bit_length() - first.split_k.bit_length())
+                + abs(c.warps.bit_length() - first.warps.bit_length()) + abs(c.unroll - first.unroll))
+
+    return [first, *sorted(found, key=distance)]
 
 
 # ----------------------------------------------------------------------------
@@ -299,12 +324,13 @@ def gemv_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None
 
 
 # ----------------------------------------------------------------------------
-# Backend registration (opt-in for automatic selection)
+# Backend registration (first on sm90 unless SCALEDMM_NVFP4_GEMV=0)
 # ----------------------------------------------------------------------------
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV_ENABLE, "0") not in ("", "0")
+    """True unless ``SCALEDMM_NVFP4_GEMV`` is set to ``0`` (or empty)."""
+    return os.environ.get(ENV_ENABLE, "1") not in ("", "0")
 
 
 def sm90_priority(enabled: bool) -> list[str]:
@@ -319,11 +345,10 @@ backends.register(Backend(
     is_supported=is_supported,
     can_implement=can_implement,
     description=(f"NVRTC register-streaming FP4 decode + mma.sync f16, M <= 16 (csrc/{SOURCE}); "
-                 f"auto-selected on sm90 only with {ENV_ENABLE}=1"),
+                 f"first on sm90 unless {ENV_ENABLE}=0"),
 ))
 ENABLED = enabled_by_env()  # read once, at import
-if ENABLED:
-    backends.set_priority(FAMILY, "sm90", sm90_priority(True))
+backends.set_priority(FAMILY, "sm90", sm90_priority(ENABLED))
 
 
 # ----------------------------------------------------------------------------

@@ -44,9 +44,10 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64 (NaN if any NaN in out)."""
-    out = out.double().cpu()
-    ref = ref.double().cpu()
+    """||out - ref|| / ||ref|| in float64 (NaN if any NaN in out), on ``ref``'s
+    device (a full-size GPU output stays on the GPU)."""
+    out = out.to(device=ref.device, dtype=torch.float64)
+    ref = ref.double()
     denom = ref.norm().item()
     num = (out - ref).norm().item()
     return num / denom if denom > 0 else num

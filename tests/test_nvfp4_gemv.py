@@ -186,11 +186,12 @@ def fake_sm90(monkeypatch):
     backends._invalidate()
 
 
-def test_registered_and_off_by_default(fake_sm90):
+def test_registered_and_first_on_sm90_by_default(fake_sm90):
     assert gv.NAME in backends.names("nvfp4")
-    if not gv.ENABLED:
-        assert gv.NAME not in backends.priority("nvfp4", torch.device("cuda", 0))
+    order = backends.priority("nvfp4", torch.device("cuda", 0))
+    assert (order[0] == gv.NAME) == gv.ENABLED and gv.ENABLED == gv.enabled_by_env()
     backends.set_priority("nvfp4", "sm90", gv.sm90_priority(False))
+    assert gv.NAME not in backends.priority("nvfp4", torch.device("cuda", 0))
     assert backends.select(_problem(1), "nvfp4_mm").name != gv.NAME
 
 
@@ -210,8 +211,10 @@ def test_env_var_is_read(monkeypatch):
     assert gv.enabled_by_env()
     monkeypatch.setenv(gv.ENV_ENABLE, "0")
     assert not gv.enabled_by_env()
-    monkeypatch.delenv(gv.ENV_ENABLE)
+    monkeypatch.setenv(gv.ENV_ENABLE, "")
     assert not gv.enabled_by_env()
+    monkeypatch.delenv(gv.ENV_ENABLE)
+    assert gv.enabled_by_env()  # on unless switched off
 
 
 @pytest.mark.parametrize("p,why", [
@@ -308,7 +311,8 @@ def test_gpu_every_candidate_config(mb):
 @requires_sm90
 def test_gpu_zero_m_strided_and_misaligned():
     qa, sa, qb, sb, alpha = _operands(4, 256, 512)
-    assert _run(qa[:0], sa, qb, sb, alpha).shape == (0, 256)
+    qa0, sa0 = torch.ops.scaledmm.nvfp4_quant(torch.empty(0, 512, dtype=torch.bfloat16, device="cuda"), alpha)
+    assert _run(qa0, sa0, qb, sb, alpha).shape == (0, 256)
     wide = torch.zeros(4, 512, dtype=torch.uint8, device="cuda")
     wide[:, :256] = qa
     _check(_run(wide[:, :256], sa, qb, sb, alpha), qa, sa, qb, sb, alpha)  # row stride 512 bytes
@@ -332,13 +336,13 @@ def test_gpu_deterministic_and_cuda_graph():
     qa, sa, qb, sb, alpha = _operands(16, 4096, 4096)
     first = _run(qa, sa, qb, sb, alpha)
     assert torch.equal(first, _run(qa, sa, qb, sb, alpha))
+    qa2, sa2, _, _, _ = _operands(16, 4096, 4096)  # the quantizer is another backend's op
     with scaledmm.use_backend("nvfp4", gv.NAME):
         torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha)  # compile + load outside capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha)
-        qa2, sa2, _, _, _ = _operands(16, 4096, 4096)
         qa.copy_(qa2)
         sa.copy_(sa2)
         graph.replay()
@@ -346,3 +350,11 @@ def test_gpu_deterministic_and_cuda_graph():
         again = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha)
     assert torch.equal(captured, again)
     assert not torch.equal(captured, first)
+
+
+def test_tuning_table_valid_and_rule_reproduces_its_m8_column():
+    for (n, k), per_mb in gv.TUNING.items():
+        for mb, cfg in per_mb.items():
+            assert gv.config_valid(cfg, n, k, mb) == (True, "ok"), (n, k, mb, cfg)
+            assert gv.choose_config(n, k, mb) == cfg
+        assert gv.default_config(n, k, 8) == per_mb[8], (n, k)
