@@ -77,6 +77,29 @@ def main() -> None:
                     [(lambda w, c=cfg, p=pdl: lambda: fa.launch(x, w, torch.empty(m, n, device=dev,
                                                                                    dtype=torch.bfloat16), p, c))(w)
                      for w in ws], dev, tcfg).median_us
+            if m in (1, 16):  # a small v1 sweep under PDL (two CTAs per SM need fewer registers x threads)
+                sweep = []
+                for rows_ in (16, 32):
+                    for warps in (4, 8):
+                        for split in (1, 2, 4, 8):
+                            for unroll in (2, 4):
+                                c = fa.RegConfig(rows_, warps, split, unroll)
+                                if c == base or not fa.config_valid(c, n, k, fa.m_bucket(m))[0]:
+                                    continue
+                                if -(-n // rows_) * split > 2 * 132:
+                                    continue
+                                try:
+                                    us = timing.measure(
+                                        [(lambda w, c=c: lambda: fa.launch(x, w, torch.empty(
+                                            m, n, device=dev, dtype=torch.bfloat16), True, c))(w) for w in ws],
+                                        dev, tcfg).median_us
+                                except Exception as e:  # noqa: BLE001 - reported, not fatal
+                                    print(f"  {c.short()}: {type(e).__name__}: {e}"[:160])
+                                    continue
+                                sweep.append((us, c.short()))
+                sweep.sort()
+                res["sweep_pdl_best"] = sweep[0][0] if sweep else float("nan")
+                print("  PDL sweep: " + "  ".join(f"{c} {u:.2f}" for u, c in sweep[:6]), flush=True)
             res["op_pdl_strided"] = timing.measure(
                 [(lambda w: lambda: torch.ops.scaledmm.dsv3_fused_a_gemm(xs, w, True))(w) for w in ws],
                 dev, tcfg).median_us
@@ -91,12 +114,13 @@ def main() -> None:
                   + f"  floor {floor:.2f}  ({time.time() - t0:.0f}s)", flush=True)
         del ws
         torch.cuda.empty_cache()
-    keys = [k for k in rows[0] if k not in ("n", "k", "m", "cfg", "floor_us")]
+    keys = list(dict.fromkeys(k for r in rows for k in r if k not in ("n", "k", "m", "cfg", "floor_us")))
     print("\n| N x K | M | cfg | " + " | ".join(keys) + " | floor | linear / best |")
     print("|---|---|---|" + "---|" * (len(keys) + 2))
     for r in rows:
-        best = min(r[k] for k in keys if k.startswith(("v1", "op")))
-        print(f"| {r['n']}x{r['k']} | {r['m']} | {r['cfg']} | " + " | ".join(f"{r[k]:.2f}" for k in keys)
+        best = min(r[k] for k in keys if k in r and k.startswith(("v1", "op", "sweep")))
+        print(f"| {r['n']}x{r['k']} | {r['m']} | {r['cfg']} | "
+              + " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in keys)
               + f" | {r['floor_us']:.2f} | {r['linear'] / best:.2f}x |")
     print(f"\n{fails} failures; {time.time() - t0:.0f} s")
     if os.environ.get("OUT"):

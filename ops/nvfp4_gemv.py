@@ -177,31 +177,33 @@ def m_bucket(m: int) -> int:
 
 
 G = GemvConfig
-# H200, session 3 (benchmarks/device_nvfp4_gemv.py, cold L2, graph replay; us at
-# M = 1 / 16 against bf16 F.linear in the same run).  Few long K streams per SM
-# want 8 warps on 16-row tiles; many tiles want 4 warps and, for N = 28672, 32 rows.
+# H200, session 3 (benchmarks/device_nvfp4_gemv.py, 40 configs per point, cold
+# L2, graph replay; us against bf16 F.linear in the same run).  M <= 8: few long
+# K streams per SM want 8 warps on 16-row tiles, many tiles 4 warps and, for
+# N = 28672, 32 rows.  M 9-16 decodes two activation fragments per unit: 32-row
+# tiles share them, and one unit per batch keeps the registers down.
 TUNING: dict[tuple[int, int], dict[int, GemvConfig]] = {
-    (6144, 4096): {8: G(16, 4, 1, 2), 16: G(16, 8, 1, 1)},    # 7.8 / 10.0 (bf16 17.1 / 16.6)
-    (4096, 4096): {8: G(16, 8, 1, 2), 16: G(16, 8, 1, 2)},    # 5.7 / 7.4 (bf16 13.7)
-    (28672, 4096): {8: G(32, 4, 1, 2), 16: G(32, 4, 1, 2)},   # 24.4 / 34.6 (bf16 58.1 / 58.6)
-    (4096, 14336): {8: G(16, 8, 1, 2), 16: G(16, 8, 1, 2)},   # 15.1 / 19.8 (bf16 32.9 / 33.8)
+    (6144, 4096): {8: G(16, 4, 1, 2), 16: G(32, 4, 2, 1)},    # M=1 7.8, M=16 9.8 (bf16 17.3 / 16.9)
+    (4096, 4096): {8: G(16, 8, 1, 2), 16: G(32, 8, 1, 2)},    # 5.7 / 7.2 (bf16 13.6 / 13.8)
+    (28672, 4096): {8: G(32, 4, 1, 2), 16: G(32, 4, 1, 1)},   # 24.5 / 31.5 (bf16 58.6 / 58.6)
+    (4096, 14336): {8: G(16, 8, 1, 2), 16: G(32, 8, 2, 1)},   # 15.1 / 18.1 (bf16 32.8 / 33.7)
 }
 del G
 
 
 def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
     """A config for an unseen shape, by the rule the H200 table follows:
-    16-row tiles unless there are more than four per SM (then 32), split K
-    over clusters until every SM has a CTA, 8 warps while there are at most
-    two CTAs per SM (4 beyond), and the deepest register batch (<= 2 units)
-    that still gives each warp two of them.
+    16-row tiles unless there are more than four per SM or M > 8 (then 32),
+    split K over clusters until every SM has a CTA, 8 warps while there are at
+    most two CTAs per SM (4 beyond), and the deepest register batch (<= 2
+    units at M <= 8, 1 above) that still gives each warp two of them.
 
     Examples
     --------
     >>> default_config(4096, 4096, 8).short(), default_config(28672, 4096, 8).short()
     ('r16w8s1u2', 'r32w4s1u2')
     """
-    rows = 16 if -(-n // 16) <= 4 * num_sms else 32
+    rows = 16 if -(-n // 16) <= 4 * num_sms and m_bucket <= 8 else 32
     tiles = -(-n // rows)
     units = -(-k // 128)
     split = 1
@@ -209,7 +211,7 @@ def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -
         split *= 2
     first = 8 if tiles * split <= 2 * num_sms else 4
     for warps in dict.fromkeys((first, 4, 2, 1)):
-        for unroll in (2, 1):
+        for unroll in (2, 1) if m_bucket <= 8 else (1,):
             cfg = GemvConfig(rows, warps, split, unroll)
             if config_valid(cfg, n, k, m_bucket)[0] and units / split / warps >= 2 * unroll:
                 return cfg

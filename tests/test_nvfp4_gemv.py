@@ -318,7 +318,12 @@ def test_gpu_zero_m_strided_and_misaligned():
     _check(_run(wide[:, :256], sa, qb, sb, alpha), qa, sa, qb, sb, alpha)  # row stride 512 bytes
     odd = torch.zeros(4, 257, dtype=torch.uint8, device="cuda")
     odd[:, 1:] = qa
-    _check(_run(odd[:, 1:], sa, qb, sb, alpha), qa, sa, qb, sb, alpha)  # misaligned: falls back
+    with backends.record() as calls:  # a row stride of 257 bytes: dispatch picks another backend
+        _check(torch.ops.scaledmm.nvfp4_mm(odd[:, 1:], qb, sa, sb, alpha), qa, sa, qb, sb, alpha)
+    assert calls[-1][1] != gv.NAME
+    shifted = torch.zeros(4, 512 + 16, dtype=torch.uint8, device="cuda")
+    shifted[:, 1:257] = qa  # stride 528 bytes (a multiple of 16) but the base is 1 byte off
+    _check(_run(shifted[:, 1:257], sa, qb, sb, alpha), qa, sa, qb, sb, alpha)  # the backend falls back itself
 
 
 @requires_sm90
