@@ -55,9 +55,13 @@ from scaledmm.ops import nvfp4_triton as nt
 FAMILY = Family.NVFP4
 NAME = "decode_cublas"
 ENV_ENABLE = "SCALEDMM_NVFP4_DECODE_CUBLAS"
-#: Smallest M automatic selection sends here (from the H200 measurement of
-#: ``benchmarks/device_nvfp4_cublas.py``; 17 = just above cuda_gemv's range).
-MIN_M = 17
+#: Smallest M automatic selection sends here.  H200, session 3
+#: (``benchmarks/device_nvfp4_cublas.py``, device time of the parts): the
+#: weight decode costs ~12 us at 4096x4096 and ~75 us at 28672x4096 (235 MB
+#: written), so at M = 64 the fused Triton kernel still wins on the large
+#: shapes (28672x4096: ~100 us vs ~140); from M = 128 this path wins on all
+#: four llama8b shapes (4096x4096: ~28 us vs 57.5; 28672x4096: ~145 vs 193).
+MIN_M = 128
 #: Bound on each transient buffer: the 16-bit weight chunk and the fp32
 #: accumulator chunk (the activation decode of W4A4 is M x K x 2 bytes, the
 #: size of a bf16 activation).

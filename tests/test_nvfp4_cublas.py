@@ -210,8 +210,8 @@ def test_hypothesis(m, n, groups, w4a16, chunked, log_ws):
 # ----------------------------------------------------------------------------
 
 
-def _op_args(m=17, n=40, k=64):
-    qa, sa = quantized(m, k)
+def _op_args(m=None, n=40, k=64):
+    qa, sa = quantized(dc.MIN_M if m is None else m, k)
     qb, sb = quantized(n, k, gs=50.0)
     return qa, qb, sa, sb, torch.tensor(0.25)
 
@@ -234,7 +234,7 @@ def test_explicit_request_runs_it_and_small_m_explains():
 @interp
 def test_ops_opcheck():
     qa, qb, sa, sb, alpha = _op_args()
-    x = torch.randn(33, 64, dtype=torch.bfloat16)
+    x = torch.randn(dc.MIN_M + 5, 64, dtype=torch.bfloat16)
     with scaledmm.use_backend("nvfp4", dc.NAME):
         opcheck(torch.ops.scaledmm.nvfp4_mm.default, (qa, qb, sa, sb, alpha, torch.bfloat16, torch.randn(40)))
         opcheck(torch.ops.scaledmm.nvfp4_mm.default, (qa, qb, sa, sb, alpha, torch.float32, None))
@@ -254,7 +254,7 @@ def test_ops_compile_dynamic_and_fake():
 
     compiled = torch.compile(f, fullgraph=True, dynamic=True)
     with scaledmm.use_backend("nvfp4", dc.NAME), backends.record() as calls:
-        for m in (17, 33, 0):
+        for m in (dc.MIN_M, dc.MIN_M + 16, 0):
             qa, sa = quantized(m, 64)
             x = torch.randn(m, 64, dtype=torch.bfloat16)
             got, want = compiled(qa, sa, x, qb, sb, alpha, bias), f(qa, sa, x, qb, sb, alpha, bias)
@@ -321,7 +321,7 @@ def test_can_implement_accepts_and_rejects():
     assert dc.can_implement(_problem(dc.MIN_M))[0]
     assert dc.can_implement(_problem(0))[0]  # nothing to compute
     assert dc.can_implement(_problem(4096, n=1, k=16, out_dtype=torch.float32))[0]
-    assert dc.can_implement(_problem(100, n=6144, k=4112, w4a16=True))[0]
+    assert dc.can_implement(_problem(dc.MIN_M + 100, n=6144, k=4112, w4a16=True))[0]
     quant = Problem(Family.NVFP4, torch.device("cuda", 0), 64, 0, 64, torch.bfloat16, torch.uint8, 64,
                     (("swizzle", True),))
     assert not dc.can_implement(quant)[0]
@@ -486,7 +486,7 @@ def test_gpu_half_outputs_and_bias(out_dtype, bias_dtype):
 
 @requires_cuda
 def test_gpu_chunked_matches_float64(monkeypatch):
-    monkeypatch.setattr(dc, "CHUNK_BYTES", 1 << 20)  # 128-row weight chunks, 512-row M chunks
+    monkeypatch.setattr(dc, "CHUNK_BYTES", 1 << 18)  # 128-row weight chunks, 512-row M chunks
     assert dc.chunk_rows(1023, 1040, 4096) == (128, 512)
     a, sa, qb, sb, alpha = _gpu_operands(1023, 1040, 4096)
     bias = torch.randn(1040, device="cuda")
