@@ -497,13 +497,14 @@ def test_gpu_chunked_matches_float64(monkeypatch):
 
 @requires_cuda
 def test_gpu_zero_m_and_n_and_strided_rows():
-    a, sa, qb, sb, alpha = _gpu_operands(64, 256, 512)
+    m = dc.MIN_M + 3
+    a, sa, qb, sb, alpha = _gpu_operands(m, 256, 512)
     one = torch.tensor(1.0, device="cuda")
     a0, sa0 = torch.ops.scaledmm.nvfp4_quant(torch.empty(0, 512, dtype=torch.bfloat16, device="cuda"), one)
     assert _gpu_run(a0, sa0, qb, sb, alpha).shape == (0, 256)
     qb0, sb0 = torch.ops.scaledmm.nvfp4_quant(torch.empty(0, 512, dtype=torch.bfloat16, device="cuda"), one)
-    assert _gpu_run(a, sa, qb0, sb0, alpha).shape == (64, 0)
-    wide = torch.zeros(64, 512, dtype=torch.uint8, device="cuda")
+    assert _gpu_run(a, sa, qb0, sb0, alpha).shape == (m, 0)
+    wide = torch.zeros(m, 512, dtype=torch.uint8, device="cuda")
     wide[:, :256] = a
     _gpu_check(_gpu_run(wide[:, :256], sa, qb, sb, alpha), a, sa, qb, sb, alpha)  # row stride 512 bytes
 
