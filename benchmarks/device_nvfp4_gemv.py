@@ -4,7 +4,10 @@ kernel vs the Triton default vs bf16 ``F.linear`` at M in 1, 4, 16 on the
 llama8b shapes (cold L2: weight copies rotated past 2x L2; CUDA-graph replay;
 medians), and a config sweep printing the best config per point.
 
-    python benchmarks/device_nvfp4_gemv.py [--quick]
+    python benchmarks/device_nvfp4_gemv.py [--quick] [--part w4a4|w4a16|all]
+
+``--part w4a16`` times ``nvfp4_w4a16_mm`` instead (bf16 activation; the
+kernel vs the Triton W4A16 kernel vs bf16 ``F.linear``, a short sweep).
 
 Prints a compact table; with ``$OUT`` set, writes ``nvfp4_gemv.json`` there.
 Budget: about 2 minutes on the H200 (40 configs per shape at M = 1 and 16; --quick: 8).
@@ -59,7 +62,12 @@ def check(qa, sa, qb, sb, alpha, out):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--part", choices=("w4a4", "w4a16", "all"), default="w4a4")
     args = ap.parse_args()
+    if args.part in ("w4a16", "all"):
+        w4a16_part(args.quick)
+    if args.part == "w4a16":
+        return
     dev = torch.device("cuda")
     cfg_t = timing.TimingConfig.for_device(dev, quick=True)
     t_start = time.time()
@@ -114,6 +122,67 @@ def main() -> None:
     print(f"\n{fails} correctness/determinism failures; {time.time() - t_start:.0f} s")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "nvfp4_gemv.json").write_text(json.dumps(rows, indent=1))
+
+
+def w4a16_part(quick: bool) -> None:
+    """W4A16 (bf16 activation): correctness, the kernel vs Triton vs bf16."""
+    dev = torch.device("cuda")
+    cfg_t = timing.TimingConfig.for_device(dev, quick=True)
+    t_start, rows, fails = time.time(), [], 0
+    for n, k in SHAPES:
+        copies = timing.copies_for(n * k * 9 // 16, cfg_t)
+        bf_copies = timing.copies_for(n * k * 2, cfg_t)
+        one = torch.tensor(1.0, device=dev)
+        ws = []
+        for _ in range(copies):
+            w = (torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16)
+            gs_w = (448 * 6 / w.float().abs().amax()).reshape(())
+            qb, sb = torch.ops.scaledmm.nvfp4_quant(w, gs_w)
+            ws.append((qb, sb, (1.0 / gs_w).float() * one))
+        wbf = [(torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16) for _ in range(bf_copies)]
+        for m in MS:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            mb = gv.m_bucket(m)
+            qb, sb, wa = ws[0]
+            out = gv.gemv_w4a16(x, qb, sb, wa)
+            ref = x.double() @ nv.dequantize(qb, sb).double().t() * wa.double()
+            err = ((out.double() - ref).abs() / (ref.abs() + 1e-3 * ref.abs().max())).max().item()
+            ok = bool(torch.isfinite(out).all()) and err < 2 ** -7
+            det = torch.equal(out, gv.gemv_w4a16(x, qb, sb, wa))
+            fails += (not ok) + (not det)
+
+            def t(fn_for, c_list):
+                return timing.measure([fn_for(c) for c in c_list], dev, cfg_t).median_us
+
+            us_new = t(lambda c: lambda: gv.gemv_w4a16(x, c[0], c[1], c[2]), ws)
+            us_tri = t(lambda c: lambda: tr.w4a16_mm(x, c[0], c[1], c[2]), ws)
+            us_bf = t(lambda w: lambda: F.linear(x, w), wbf)
+            sweep = []
+            for cfg in (gv.candidate_configs(n, k, mb, w4a16=True)[: (0 if m == 4 else 6 if quick else 16)]):
+                try:
+                    us = t(lambda c, cfg=cfg: lambda: gv.launch(x, c[0], c[1], c[1], c[2], None,
+                                                                nv.mm_output(x, c[0], torch.bfloat16), cfg), ws)
+                except Exception as e:  # noqa: BLE001 - a config that fails is reported, not fatal
+                    print(f"  {n}x{k} m={m} {cfg.short()}: {type(e).__name__}: {e}"[:200])
+                    continue
+                sweep.append((us, cfg.short()))
+            best = min(sweep) if sweep else (float("nan"), "-")
+            rows.append(dict(n=n, k=k, m=m, ok=ok, det=det, err=err, gemv_us=us_new, triton_us=us_tri,
+                             bf16_us=us_bf, default=gv.choose_config(n, k, mb, w4a16=True).short(),
+                             best=best[1], best_us=best[0], sweep=sweep))
+            print(f"W4A16 {n}x{k} m={m}: ok={ok} det={det} err={err:.1e} gemv {us_new:.1f} triton {us_tri:.1f} "
+                  f"bf16 {us_bf:.1f} best {best[1]} {best[0]:.1f}  ({time.time() - t_start:.0f}s)", flush=True)
+        del ws, wbf
+        torch.cuda.empty_cache()
+    print("\n| W4A16 N x K | M | ok | gemv us | triton us | bf16 us | bf16/gemv | default | best cfg | best us |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['n']}x{r['k']} | {r['m']} | {'y' if r['ok'] and r['det'] else 'NO'} | {r['gemv_us']:.1f} | "
+              f"{r['triton_us']:.1f} | {r['bf16_us']:.1f} | {r['bf16_us'] / r['gemv_us']:.2f}x | {r['default']} | "
+              f"{r['best']} | {r['best_us']:.1f} |")
+    print(f"\nW4A16: {fails} correctness/determinism failures; {time.time() - t_start:.0f} s")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "nvfp4_gemv_w4a16.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-// Small-M W4A4 NVFP4 GEMM ("GEMV") for Hopper, which has no FP4 tensor cores:
+// Small-M NVFP4 GEMM ("GEMV") for Hopper, which has no FP4 tensor cores:
 //
-//     out[m, n] = alpha * sum_k deq(a)[m, k] * deq(b)[n, k] (+ bias[n])      M <= 16
+//     W4A4:  out[m, n] = alpha * sum_k deq(a)[m, k] * deq(b)[n, k] (+ bias[n])    M <= 16
+//     W4A16: out[m, n] = alpha * sum_k a[m, k] * deq(b)[n, k] (+ bias[n])         (G_ACT 1, 2)
 //
-//     a: uint8 [M, K/2] packed e2m1 (low nibble first), rows a_stride bytes apart
+//     a: uint8 [M, K/2] packed e2m1 (low nibble first), rows a_stride bytes apart;
+//        W4A16: fp16 / bf16 [M, K], rows a_stride bytes apart (a multiple of 16)
 //     b: uint8 [N, K/2] packed e2m1, contiguous
 //     a_scales, b_scales: e4m3 block scales (one per 16 k), swizzled 128x4 layout:
 //        S[r, c] at ((r / 128) * (C' / 4) + c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + c % 4
@@ -20,6 +22,8 @@
 //   G_MB         M bucket: 8 (M <= 8) or 16
 //   G_OUT_F16    1: fp16 output, 0: bf16
 //   G_BIAS       0: none, 1: fp32, 2: bf16, 3: fp16 bias
+//   G_ACT        0: packed e2m1 activation with its block scales (W4A4),
+//                1: fp16 activation, 2: bf16 activation (W4A16; a_scales unused)
 //
 // Design (the kernel streams the packed weight from HBM once):
 //  * Swap-AB mma.sync m16n8k16 f16 x f16 -> f32: A = 16 weight rows x 16 k,
@@ -74,6 +78,9 @@
 #ifndef G_BIAS
 #define G_BIAS 0
 #endif
+#ifndef G_ACT
+#define G_ACT 0
+#endif
 
 #include "fused_a_ptx.cuh"
 
@@ -99,6 +106,9 @@ constexpr int SCALE_C4 = ((K / 16 + 3) / 4);   // swizzled scale column groups o
 constexpr bool FULL_UNITS = CHUNKS % 4 == 0 && UNITS % (SPLIT * U) == 0;
 constexpr bool FULL_ROWS = N % 16 == 0;        // every 16-row tile is whole or absent
 constexpr int TILE = ROWS * MB;
+constexpr int ACT = G_ACT;
+constexpr int XV = ACT == 0 ? 1 : 4;           // 16-byte activation loads per thread and unit
+constexpr int X_UNIT_BYTES = ACT == 0 ? 64 : 256;  // bytes of an activation row per 128-k unit
 
 static_assert(K % 32 == 0 && K > 0, "K must be a positive multiple of 32");
 static_assert(N > 0, "N must be positive");
@@ -107,6 +117,7 @@ static_assert(MB == 8 || MB == 16, "G_MB must be 8 or 16");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4 || SPLIT == 8, "G_SPLIT must be 1, 2, 4 or 8");
 static_assert(WARPS >= 1 && WARPS <= 16, "G_WARPS must be 1..16");
 static_assert(U >= 1 && U <= 4, "G_UNROLL must be 1..4");
+static_assert(ACT >= 0 && ACT <= 2, "G_ACT must be 0 (e2m1), 1 (fp16) or 2 (bf16)");
 static_assert(WARPS * TILE * 4 <= 48 * 1024, "reduction buffer exceeds 48 KiB of static shared memory");
 
 // -- PTX helpers ---------------------------------------------------------------
@@ -161,6 +172,25 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// fp16x2 -> bf16x2, exact for the decoded weights (<= 7 significant bits, >= 2^-24).
+__device__ __forceinline__ u32 f16x2_to_bf16x2(u32 h2) {
+  float lo, hi;
+  asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(lo), "=f"(hi) : "r"(h2));
+  u32 d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// The MMA of this instantiation: f16 (W4A4, fp16 activation) or bf16 operands.
+__device__ __forceinline__ void mma_act(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  if (ACT == 2) {
+    mma_bf16(d, a0, a1, a2, a3, b0, b1);
+  } else {
+    mma_f16(d, a0, a1, a2, a3, b0, b1);
+  }
+}
+
 __device__ __forceinline__ u16 to_f16(float f) {
   u16 h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
@@ -213,8 +243,8 @@ __device__ __forceinline__ void scale_pairs(u32 two, u32& lo, u32& hi) {
 struct Batch {
   V4 w[U][NT][2];
   u32 ws[U][NT][2];
-  V4 x[U][MF];
-  u32 xs[U][MF];
+  V4 x[U][MF][XV];
+  u32 xs[U][MF];  // W4A4 only
 };
 
 struct Operands {
@@ -233,7 +263,8 @@ __device__ __forceinline__ void load_batch(Batch& b, const Operands& op, int bat
   for (int i = 0; i < U; ++i) {
     const int unit = op.u_begin + batch * U + i;
     const bool ok = FULL_UNITS || (unit < op.u_end && unit * 4 + op.t4 < CHUNKS);
-    const long long wo = (long long)unit * 64;   // bytes of a row per unit
+    const long long wo = (long long)unit * 64;   // bytes of a weight row per unit
+    const long long xo = (long long)unit * X_UNIT_BYTES;
     const long long so = (long long)unit * 1024;  // scale bytes per unit (two column groups)
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -247,8 +278,9 @@ __device__ __forceinline__ void load_batch(Batch& b, const Operands& op, int bat
 #pragma unroll
     for (int f = 0; f < MF; ++f) {
       const bool rok = ok && op.x_ok[f];
-      b.x[i][f] = rok ? load_act(op.x_row[f] + wo) : zero4();
-      b.xs[i][f] = rok ? load_scale2(op.xs_row[f] + so) : 0u;
+#pragma unroll
+      for (int v = 0; v < XV; ++v) b.x[i][f][v] = rok ? load_act(op.x_row[f] + xo + 16 * v) : zero4();
+      if (ACT == 0) b.xs[i][f] = rok ? load_scale2(op.xs_row[f] + so) : 0u;
     }
   }
 }
@@ -256,13 +288,24 @@ __device__ __forceinline__ void load_batch(Batch& b, const Operands& op, int bat
 __device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& b) {
 #pragma unroll
   for (int i = 0; i < U; ++i) {
-    u32 xd[MF][16];
+    u32 xd[MF][16];  // the thread's 32 k in decode8's order: xd[4q + j] = {k 8q + j, k 8q + j + 4}
 #pragma unroll
     for (int f = 0; f < MF; ++f) {
-      u32 lo, hi;
-      scale_pairs(b.xs[i][f], lo, hi);
+      if (ACT == 0) {
+        u32 lo, hi;
+        scale_pairs(b.xs[i][f], lo, hi);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) decode8(b.x[i][f].v[q], q < 2 ? lo : hi, &xd[f][4 * q]);
+        for (int q = 0; q < 4; ++q) decode8(b.x[i][f][0].v[q], q < 2 ? lo : hi, &xd[f][4 * q]);
+      } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // 16 bytes = k 8q .. 8q + 7 as pairs (0 1)(2 3)(4 5)(6 7)
+          const V4& v = b.x[i][f][q];
+          xd[f][4 * q + 0] = __byte_perm(v.v[0], v.v[2], 0x5410);
+          xd[f][4 * q + 1] = __byte_perm(v.v[0], v.v[2], 0x7632);
+          xd[f][4 * q + 2] = __byte_perm(v.v[1], v.v[3], 0x5410);
+          xd[f][4 * q + 3] = __byte_perm(v.v[1], v.v[3], 0x7632);
+        }
+      }
     }
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -274,11 +317,18 @@ __device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& 
         u32 r0[4], r1[4];  // rows g and g + 8, k offsets 8q .. 8q + 7 of the chunk
         decode8(b.w[i][t][0].v[q], q < 2 ? slo[0] : shi[0], r0);
         decode8(b.w[i][t][1].v[q], q < 2 ? slo[1] : shi[1], r1);
+        if (ACT == 2) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            r0[j] = f16x2_to_bf16x2(r0[j]);
+            r1[j] = f16x2_to_bf16x2(r1[j]);
+          }
+        }
 #pragma unroll
         for (int s = 0; s < 2; ++s) {  // two k16 steps per word
 #pragma unroll
           for (int f = 0; f < MF; ++f) {
-            mma_f16(acc[t][f], r0[2 * s], r1[2 * s], r0[2 * s + 1], r1[2 * s + 1], xd[f][4 * q + 2 * s],
+            mma_act(acc[t][f], r0[2 * s], r1[2 * s], r0[2 * s + 1], r1[2 * s + 1], xd[f][4 * q + 2 * s],
                     xd[f][4 * q + 2 * s + 1]);
           }
         }
@@ -303,7 +353,8 @@ __device__ __forceinline__ long long scale_offset(int r, int t4) {
 
 // alpha * 2^28 * acc (+ bias), one rounding to the output type.
 __device__ __forceinline__ void store_out(u16* out, const void* bias, float alpha, int mm, int n, float s) {
-  float v = s * 268435456.0f * alpha;  // 2^28 undoes the decoders' 2^-14 on both operands (exact)
+  // 2^28 (W4A4) / 2^14 (W4A16) undoes the decoders' 2^-14 per decoded operand (exact)
+  float v = s * (ACT == 0 ? 268435456.0f : 16384.0f) * alpha;
 #if G_BIAS == 1
   v += ((const float*)bias)[n];
 #elif G_BIAS == 2
@@ -360,8 +411,8 @@ nvfp4_gemv(const unsigned char* __restrict__ a, const unsigned char* __restrict_
   for (int f = 0; f < MF; ++f) {
     const int row = f * 8 + g;
     op.x_ok[f] = row < m;
-    op.x_row[f] = a + (long long)row * a_stride + t4 * 16;
-    op.xs_row[f] = a_scales + scale_offset(row, t4);
+    op.x_row[f] = a + (long long)row * a_stride + t4 * (X_UNIT_BYTES / 4);
+    op.xs_row[f] = ACT == 0 ? a_scales + scale_offset(row, t4) : a_scales;
   }
 
   float acc[NT][MF][4];

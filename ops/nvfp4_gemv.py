@@ -1,5 +1,6 @@
 """Backend ``cuda_gemv`` of the ``nvfp4`` family: our CUDA kernel for W4A4
-``nvfp4_mm`` at small M (M <= 16) on Hopper, ``csrc/nvfp4_gemv.cu``, compiled
+``nvfp4_mm`` and W4A16 ``nvfp4_w4a16_mm`` at small M (M <= 16) on Hopper,
+``csrc/nvfp4_gemv.cu``, compiled
 at run time with NVRTC for the (N, K, config, M bucket, output / bias dtype)
 it meets, cached on disk (``scaledmm.jit``), launched on torch's current stream.
 
@@ -8,7 +9,9 @@ The kernel streams the packed weight straight into registers
 instructions per value, applies the e4m3 block scales exactly in the decode
 (one ``mul.rn.f16x2`` per two values) and multiplies on ``mma.sync
 m16n8k16`` f16 tensor cores with fp32 accumulation: exact W4A4 products, fp32
-sums, one rounding to the output.  Split K over warps (shared memory) and
+sums, one rounding to the output.  W4A16 reads the fp16 / bf16 activation
+straight into the MMA's B fragments (bf16: the exact fp16 weight values are
+converted to bf16, exactly, and the MMA runs in bf16).  Split K over warps (shared memory) and
 over the CTAs of a thread-block cluster (DSMEM), in a fixed order:
 deterministic, no workspace, CUDA-graph safe.  See the .cu file's header.
 
@@ -49,6 +52,7 @@ from scaledmm.ops import nvfp4 as nv
 FAMILY = Family.NVFP4
 NAME = "cuda_gemv"
 OP = "nvfp4_mm"
+OP_W4A16 = "nvfp4_w4a16_mm"
 ENV_ENABLE = "SCALEDMM_NVFP4_GEMV"  # "0": not in the automatic priority list
 SOURCE = "nvfp4_gemv.cu"
 KERNEL = "nvfp4_gemv"
@@ -58,6 +62,7 @@ K_MULTIPLE = 32  # one 16-byte load = 32 codes of a row
 M_BUCKETS = (8, 16)
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 BIAS_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+ACT_CODES = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2}  # packed e2m1 (W4A4), W4A16 dtypes
 NUM_SMS_H200 = 132
 REGS_PER_SM = 65536
 MAX_REGS = 255
@@ -80,18 +85,23 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
 
 
 def can_implement(p: Problem) -> tuple[bool, str]:
-    """W4A4 ``nvfp4_mm`` with M <= 16, K % 32 == 0, bf16/fp16 output, activation
-    rows 16-byte aligned (any N)."""
-    if p.opt("w4a16") is not False:
-        return False, "implements W4A4 nvfp4_mm only"
+    """``nvfp4_mm`` (W4A4) or ``nvfp4_w4a16_mm`` with an fp16 / bf16 activation,
+    M <= 16, K % 32 == 0, bf16/fp16 output, activation rows 16-byte aligned
+    (any N)."""
+    w4a16 = bool(p.opt("w4a16"))
+    if w4a16 and p.in_dtype not in (torch.float16, torch.bfloat16):
+        return False, f"W4A16 needs an fp16 or bf16 activation, got {p.in_dtype}"
     if p.m > MAX_M:
         return False, f"needs M <= {MAX_M}, got M={p.m}"
     if p.k % K_MULTIPLE != 0 or p.k <= 0:
         return False, f"needs K a positive multiple of {K_MULTIPLE}, got K={p.k}"
     if p.out_dtype not in OUT_DTYPES:
         return False, f"writes bf16 or fp16, got out_dtype={p.out_dtype}"
-    if p.m > 1 and p.a_row_stride % K_MULTIPLE != 0:
-        return False, f"needs an activation row stride that is a multiple of 16 bytes, got {p.a_row_stride // 2} bytes"
+    per_16_bytes = 8 if w4a16 else K_MULTIPLE  # row stride unit: elements per 16 bytes
+    if p.m > 1 and p.a_row_stride % per_16_bytes != 0:
+        size = 2 if w4a16 else 0.5
+        return False, (f"needs an activation row stride that is a multiple of 16 bytes, "
+                       f"got {p.a_row_stride * size:g} bytes")
     return True, "M <= 16, K % 32 == 0"
 
 
@@ -121,12 +131,14 @@ class GemvConfig:
     split_k: int = 1
     unroll: int = 2
 
-    def registers(self, m_bucket: int) -> int:
+    def registers(self, m_bucket: int, w4a16: bool = False) -> int:
         """Estimated registers per thread (two batches of 16-byte loads and
         scales, accumulators, the decoded activation), an upper bound of
-        ptxas' count (checked by the tests)."""
+        ptxas' count (checked by the tests).  W4A16 holds four 16-byte
+        activation loads per unit instead of one and its scale."""
         nt, mf = self.rows // 16, m_bucket // 8
-        return 2 * self.unroll * (2 * nt + mf) * 5 + nt * mf * 4 + mf * 16 + 48
+        x_regs = 16 if w4a16 else 5
+        return 2 * self.unroll * (2 * nt * 5 + mf * x_regs) + nt * mf * 4 + mf * 16 + 48
 
     def threads(self) -> int:
         return 32 * self.warps
@@ -135,18 +147,19 @@ class GemvConfig:
         return (-(-n // self.rows), self.split_k)
 
     def defines(self, n: int, k: int, m_bucket: int, out_dtype: torch.dtype,
-                bias_dtype: torch.dtype | None) -> dict[str, int]:
+                bias_dtype: torch.dtype | None, act_dtype: torch.dtype = torch.uint8) -> dict[str, int]:
         return {"G_N": n, "G_K": k, "G_ROWS": self.rows, "G_WARPS": self.warps, "G_SPLIT": self.split_k,
                 "G_UNROLL": self.unroll, "G_MB": m_bucket, "G_OUT_F16": int(out_dtype == torch.float16),
-                "G_BIAS": BIAS_CODES[bias_dtype]}
+                "G_BIAS": BIAS_CODES[bias_dtype], "G_ACT": ACT_CODES[act_dtype]}
 
     def short(self) -> str:
         return f"r{self.rows}w{self.warps}s{self.split_k}u{self.unroll}"
 
 
-def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int) -> tuple[bool, str]:
+def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int, w4a16: bool = False) -> tuple[bool, str]:
     """THE validity predicate of a config for a shape (dispatch, benchmark and
-    tests).  Mirrors the kernel's static_asserts and the resource limits."""
+    tests), W4A4 or (``w4a16``) W4A16.  Mirrors the kernel's static_asserts
+    and the resource limits."""
     if not isinstance(cfg, GemvConfig):
         return False, f"expected a GemvConfig, got {type(cfg).__name__}"
     if m_bucket not in M_BUCKETS:
@@ -162,8 +175,8 @@ def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int) -> tuple[bool, 
     if not 1 <= cfg.unroll <= 4:
         return False, f"unroll must be 1..4, got {cfg.unroll}"
     limit = min(MAX_REGS, REGS_PER_SM // cfg.threads())
-    if cfg.registers(m_bucket) > limit:
-        return False, f"about {cfg.registers(m_bucket)} registers per thread, over the limit {limit}"
+    if cfg.registers(m_bucket, w4a16) > limit:
+        return False, f"about {cfg.registers(m_bucket, w4a16)} registers per thread, over the limit {limit}"
     if cfg.warps * cfg.rows * m_bucket * 4 > SMEM_STATIC:
         return False, "reduction buffer over 48 KiB of shared memory"
     units = -(-k // 128)
@@ -191,12 +204,13 @@ TUNING: dict[tuple[int, int], dict[int, GemvConfig]] = {
 del G
 
 
-def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
+def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> GemvConfig:
     """A config for an unseen shape, by the rule the H200 table follows:
     16-row tiles unless there are more than four per SM or M > 8 (then 32),
     split K over clusters until every SM has a CTA, 8 warps while there are at
     most two CTAs per SM (4 beyond), and the deepest register batch (<= 2
-    units at M <= 8, 1 above) that still gives each warp two of them.
+    units at M <= 8 in W4A4, 1 otherwise: a W4A16 unit holds 64 activation
+    bytes per thread) that still gives each warp two of them.
 
     Examples
     --------
@@ -211,26 +225,28 @@ def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -
         split *= 2
     first = 8 if tiles * split <= 2 * num_sms else 4
     for warps in dict.fromkeys((first, 4, 2, 1)):
-        for unroll in (2, 1) if m_bucket <= 8 else (1,):
+        for unroll in (2, 1) if m_bucket <= 8 and not w4a16 else (1,):
             cfg = GemvConfig(rows, warps, split, unroll)
-            if config_valid(cfg, n, k, m_bucket)[0] and units / split / warps >= 2 * unroll:
+            if config_valid(cfg, n, k, m_bucket, w4a16)[0] and units / split / warps >= 2 * unroll:
                 return cfg
     return GemvConfig(rows, 1, split, 1)
 
 
-def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
-    """The measured table's config (``TUNING``) or :func:`default_config`."""
-    cfg = TUNING.get((n, k), {}).get(m_bucket)
-    if cfg is None or not config_valid(cfg, n, k, m_bucket)[0]:
-        cfg = default_config(n, k, m_bucket, num_sms)
+def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> GemvConfig:
+    """The measured table's config (``TUNING``, W4A4 only) or
+    :func:`default_config`."""
+    cfg = None if w4a16 else TUNING.get((n, k), {}).get(m_bucket)
+    if cfg is None or not config_valid(cfg, n, k, m_bucket, w4a16)[0]:
+        cfg = default_config(n, k, m_bucket, num_sms, w4a16)
     return cfg
 
 
-def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> list[GemvConfig]:
+def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200,
+                      w4a16: bool = False) -> list[GemvConfig]:
     """The benchmark's sweep: the chosen config first, then tile x split x
     warps x unroll points that are valid and keep at least one batch per
     warp, nearest to the chosen config first (the benchmark may cut the list)."""
-    first = choose_config(n, k, m_bucket, num_sms)
+    first = choose_config(n, k, m_bucket, num_sms, w4a16)
     units = -(-k // 128)
     found = []
     for rows in (16, 32, 64):
@@ -238,7 +254,8 @@ def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200
             for warps in (2, 4, 8, 16):
                 for unroll in (1, 2, 3, 4):
                     cfg = GemvConfig(rows, warps, split, unroll)
-                    if cfg != first and config_valid(cfg, n, k, m_bucket)[0] and units / split >= warps * unroll:
+                    if (cfg != first and config_valid(cfg, n, k, m_bucket, w4a16)[0]
+                            and units / split >= warps * unroll):
                         found.append(cfg)
 
     def distance(c: GemvConfig) -> int:
@@ -255,9 +272,12 @@ def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200
 
 @functools.lru_cache(maxsize=None)
 def kernel_spec(n: int, k: int, m_bucket: int, cfg: GemvConfig, out_dtype: torch.dtype = torch.bfloat16,
-                bias_dtype: torch.dtype | None = None) -> jit.NvrtcKernelSpec:
-    """The NVRTC spec of one instantiation (validated)."""
-    ok, why = config_valid(cfg, n, k, m_bucket)
+                bias_dtype: torch.dtype | None = None, act_dtype: torch.dtype = torch.uint8) -> jit.NvrtcKernelSpec:
+    """The NVRTC spec of one instantiation (validated); ``act_dtype`` uint8
+    (packed e2m1: W4A4) or fp16 / bf16 (W4A16)."""
+    if act_dtype not in ACT_CODES:
+        raise ValueError(f"act_dtype: expected uint8 (packed e2m1), fp16 or bf16, got {act_dtype}")
+    ok, why = config_valid(cfg, n, k, m_bucket, act_dtype != torch.uint8)
     if not ok:
         raise ValueError(f"cfg: expected a valid config for N={n}, K={k}, M bucket {m_bucket}, got {cfg}: {why}")
     if out_dtype not in OUT_DTYPES:
@@ -265,7 +285,7 @@ def kernel_spec(n: int, k: int, m_bucket: int, cfg: GemvConfig, out_dtype: torch
     if bias_dtype not in BIAS_CODES:
         raise ValueError(f"bias_dtype: expected None, fp32, bf16 or fp16, got {bias_dtype}")
     return jit.NvrtcKernelSpec(KERNEL, _source(), arch=ARCH,
-                               defines=cfg.defines(n, k, m_bucket, out_dtype, bias_dtype))
+                               defines=cfg.defines(n, k, m_bucket, out_dtype, bias_dtype, act_dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,25 +296,39 @@ def num_sms(device_index: int) -> int:
 def aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The 16-byte alignment the kernel's vector loads need (host-side, no sync)."""
     return (a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-            and (a.shape[0] <= 1 or a.stride(0) % 16 == 0))
+            and (a.shape[0] <= 1 or a.stride(0) * a.element_size() % 16 == 0))
 
 
 def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: GemvConfig | None = None) -> torch.Tensor:
     """Run the kernel into ``out`` ([M, N], contiguous) on the current stream.
 
-    Arguments must already be validated (``nvfp4.check_mm_args``), with
+    ``a`` packed e2m1 with ``a_scales`` (W4A4) or an fp16 / bf16 activation
+    (W4A16; ``a_scales`` is then not read).  Arguments must already be
+    validated (``nvfp4.check_mm_args`` / ``check_w4a16_args``), with
     1 <= M <= 16, K % 32 == 0, bf16/fp16 ``out`` and :func:`aligned` operands.
     """
     m = a.shape[0]
     n, k = b.shape[0], 2 * b.shape[1]
     mb = m_bucket(m)
+    w4a16 = a.dtype != torch.uint8
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    cfg = cfg or choose_config(n, k, mb, num_sms(dev))
-    spec = kernel_spec(n, k, mb, cfg, out.dtype, None if bias is None else bias.dtype)
+    cfg = cfg or choose_config(n, k, mb, num_sms(dev), w4a16)
+    spec = kernel_spec(n, k, mb, cfg, out.dtype, None if bias is None else bias.dtype, a.dtype)
     spec.kernel().launch(cfg.grid(n), cfg.threads(),
-                         (a, b, a_scales, b_scales, alpha, bias, out, ctypes.c_int(m), ctypes.c_longlong(a.stride(0))),
+                         (a, b, a_scales, b_scales, alpha, bias, out, ctypes.c_int(m),
+                          ctypes.c_longlong(a.stride(0) * a.element_size())),
                          device=a.device)
     return out
+
+
+def _fallback(op: str, problem: Problem, *args):
+    """The next backend that can run a call this kernel cannot take (operands
+    not 16-byte aligned: a view at an odd offset)."""
+    for name in ("triton", "reference"):
+        other = backends.get(FAMILY, name) if name in backends.names(FAMILY) else None
+        if other is not None and op in other.impls and other.check(problem)[0]:
+            return other.impls[op](*args)
+    raise RuntimeError(f"{op}: no backend takes the misaligned operands of {problem}")
 
 
 def gemv_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None, cfg: GemvConfig | None = None):
@@ -318,11 +352,31 @@ def gemv_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None
     if a.shape[0] == 0 or b.shape[0] == 0:
         return out
     if not aligned(a, b):
-        for name in ("triton", "reference"):
-            other = backends.get(FAMILY, name) if name in backends.names(FAMILY) else None
-            if other is not None and other.check(nv.mm_problem(a, b, out_dtype, bias))[0]:
-                return other.impls[OP](a, b, a_scales, b_scales, alpha, out_dtype, bias)
+        return _fallback(OP, nv.mm_problem(a, b, out_dtype, bias), a, b, a_scales, b_scales, alpha, out_dtype, bias)
     return launch(a, b, a_scales, b_scales, alpha, bias, out, cfg)
+
+
+def gemv_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None, cfg: GemvConfig | None = None):
+    """Backend entry of ``nvfp4_w4a16_mm``: a fresh ``[M, N]``
+    ``weight_alpha * x @ deq(b).T (+ bias)`` with an fp16 / bf16 ``x``.
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)     # doctest: +SKIP
+    >>> w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> one = torch.tensor(1.0, device="cuda")                            # doctest: +SKIP
+    >>> qb, sb = torch.ops.scaledmm.nvfp4_quant(w, one)                   # doctest: +SKIP
+    >>> with scaledmm.use_backend("nvfp4", "cuda_gemv"):                  # doctest: +SKIP
+    ...     out = torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, one)
+    """
+    out = nv.mm_output(x, b, out_dtype)
+    if x.shape[0] == 0 or b.shape[0] == 0:
+        return out
+    if not aligned(x, b):
+        return _fallback(OP_W4A16, nv.w4a16_problem(x, b, out_dtype, bias), x, b, b_scales, weight_alpha,
+                         out_dtype, bias)
+    return launch(x, b, b_scales, b_scales, weight_alpha, bias, out, cfg)
 
 
 # ----------------------------------------------------------------------------
@@ -343,10 +397,10 @@ def sm90_priority(enabled: bool) -> list[str]:
 
 backends.register(Backend(
     FAMILY, NAME,
-    impls={OP: gemv_mm},
+    impls={OP: gemv_mm, OP_W4A16: gemv_w4a16},
     is_supported=is_supported,
     can_implement=can_implement,
-    description=(f"NVRTC register-streaming FP4 decode + mma.sync f16, M <= 16 (csrc/{SOURCE}); "
+    description=(f"NVRTC register-streaming FP4 decode + mma.sync, W4A4 and W4A16, M <= 16 (csrc/{SOURCE}); "
                  f"first on sm90 unless {ENV_ENABLE}=0"),
 ))
 ENABLED = enabled_by_env()  # read once, at import
@@ -359,7 +413,8 @@ backends.set_priority(FAMILY, "sm90", sm90_priority(ENABLED))
 
 
 def prebuild_specs(value: str) -> list[jit.NvrtcKernelSpec]:
-    """Specs of both M buckets and both output dtypes (no bias) for each ``N:K``."""
+    """Specs of both M buckets, both output dtypes, W4A4 and bf16 W4A16 (no
+    bias) for each ``N:K``."""
     specs: dict[str, jit.NvrtcKernelSpec] = {}
     for item in value.split(","):
         item = item.strip()
@@ -371,10 +426,12 @@ def prebuild_specs(value: str) -> list[jit.NvrtcKernelSpec]:
             raise ValueError(f"--nvfp4-gemv: expected N:K pairs such as 4096:4096, got {item!r}") from None
         for mb in M_BUCKETS:
             for dt in OUT_DTYPES:
-                spec = kernel_spec(n, k, mb, choose_config(n, k, mb), dt, None)
-                specs.setdefault(spec.key, spec)
+                for act in (torch.uint8, torch.bfloat16):  # W4A4, W4A16 with a bf16 activation
+                    cfg = choose_config(n, k, mb, w4a16=act != torch.uint8)
+                    spec = kernel_spec(n, k, mb, cfg, dt, None, act)
+                    specs.setdefault(spec.key, spec)
     return list(specs.values())
 
 
 jit.register_prebuild("nvfp4-gemv", prebuild_specs,
-                      help="N:K[,N:K...] NVFP4 small-M kernels (both M buckets, bf16 and fp16 outputs)")
+                      help="N:K[,N:K...] NVFP4 small-M kernels (both M buckets, bf16 and fp16 outputs, W4A4 and bf16 W4A16)")

@@ -381,7 +381,8 @@ def test_large_m_selects_it_small_m_does_not(fake_gpu):
         assert backends.select(_problem(m, out_dtype=torch.float32), "nvfp4_mm").name == dc.NAME
     for m in (1, 8, 16):
         assert backends.select(_problem(m), "nvfp4_mm").name != dc.NAME
-        assert backends.select(_problem(m, w4a16=True), "nvfp4_w4a16_mm").name == "triton"
+        small = backends.select(_problem(m, w4a16=True), "nvfp4_w4a16_mm").name  # cuda_gemv on sm90 (if enabled)
+        assert small in ("triton", "cuda_gemv") and small != dc.NAME
         assert backends.select(_problem(m, out_dtype=torch.float32), "nvfp4_mm").name == "triton"
     # the quantizer is not ours
     quant = Problem(Family.NVFP4, torch.device("cuda", 0), 4096, 0, 64, torch.bfloat16, torch.uint8, 64,

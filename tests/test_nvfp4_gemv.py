@@ -80,30 +80,64 @@ def test_scaled_products_are_exact_in_fp16():
 # ----------------------------------------------------------------------------
 
 
+U8, BF16, F16 = torch.uint8, torch.bfloat16, torch.float16
+
+
 def _instances():
     out = {}
     for n, k in LLAMA8B:
         for mb in gv.M_BUCKETS:
-            out[(n, k, mb, gv.choose_config(n, k, mb), torch.bfloat16, None)] = None
-    out[(1040, 4096, 8, gv.choose_config(1040, 4096, 8), torch.float16, torch.float32)] = None
-    out[(1000, 96, 16, gv.GemvConfig(16, 2, 1, 1), torch.bfloat16, torch.bfloat16)] = None
-    out[(1000, 96, 8, gv.GemvConfig(64, 1, 1, 1), torch.float16, torch.float16)] = None
-    out[(4096, 4096, 16, gv.GemvConfig(64, 4, 8, 1), torch.bfloat16, None)] = None
+            out[(n, k, mb, gv.choose_config(n, k, mb), BF16, None, U8)] = None
+            out[(n, k, mb, gv.choose_config(n, k, mb, w4a16=True), BF16, None, BF16)] = None
+    out[(1040, 4096, 8, gv.choose_config(1040, 4096, 8), F16, torch.float32, U8)] = None
+    out[(1000, 96, 16, gv.GemvConfig(16, 2, 1, 1), BF16, BF16, U8)] = None
+    out[(1000, 96, 8, gv.GemvConfig(64, 1, 1, 1), F16, F16, U8)] = None
+    out[(4096, 4096, 16, gv.GemvConfig(64, 4, 8, 1), BF16, None, U8)] = None
+    out[(1040, 4096, 16, gv.choose_config(1040, 4096, 16, w4a16=True), F16, BF16, F16)] = None
+    out[(1000, 96, 8, gv.GemvConfig(16, 2, 1, 1), BF16, torch.float32, BF16)] = None
+    out[(4096, 4096, 8, gv.GemvConfig(16, 4, 1, 2), F16, None, F16)] = None
     return list(out)
 
 
 @nvrtc
-@pytest.mark.parametrize("n,k,mb,cfg,out_dtype,bias_dtype", _instances(),
+@pytest.mark.parametrize("n,k,mb,cfg,out_dtype,bias_dtype,act", _instances(),
                          ids=lambda v: v.short() if hasattr(v, "short") else str(v))
-def test_instance_compiles_without_spills(n, k, mb, cfg, out_dtype, bias_dtype):
-    assert gv.config_valid(cfg, n, k, mb) == (True, "ok")
+def test_instance_compiles_without_spills(n, k, mb, cfg, out_dtype, bias_dtype, act):
+    w4a16 = act != U8
+    assert gv.config_valid(cfg, n, k, mb, w4a16) == (True, "ok")
     log = io.StringIO()
-    cubin = gv.kernel_spec(n, k, mb, cfg, out_dtype, bias_dtype).compile(logs=log, ptxas_options="-v")
+    cubin = gv.kernel_spec(n, k, mb, cfg, out_dtype, bias_dtype, act).compile(logs=log, ptxas_options="-v")
     assert cubin[:4] == b"\x7fELF"
     text = log.getvalue()
     assert re.search(r"\b0 bytes spill stores", text), text
     regs = int(re.search(r"Used (\d+) registers", text).group(1))
-    assert regs <= cfg.registers(mb), f"estimate {cfg.registers(mb)} below the real {regs} registers"
+    assert regs <= cfg.registers(mb, w4a16), f"estimate {cfg.registers(mb, w4a16)} below the real {regs} registers"
+
+
+def test_w4a16_activation_pairs_follow_the_decoder_order():
+    """The kernel's __byte_perm pairs of 16-bit activations, emulated: register
+    4q + j must hold {k 8q + j, k 8q + j + 4} like decode8's weight registers."""
+    def byte_perm(x, y, sel):
+        src = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
+        return sum(src[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
+
+    vals = np.random.default_rng().integers(0, 2 ** 16, 32, dtype=np.uint32)
+    for q in range(4):
+        v = [int(vals[8 * q + 2 * i] | (vals[8 * q + 2 * i + 1] << 16)) for i in range(4)]
+        regs = [byte_perm(v[0], v[2], 0x5410), byte_perm(v[0], v[2], 0x7632),
+                byte_perm(v[1], v[3], 0x5410), byte_perm(v[1], v[3], 0x7632)]
+        for j in range(4):
+            assert regs[j] & 0xFFFF == vals[8 * q + j] and regs[j] >> 16 == vals[8 * q + j + 4]
+
+
+def test_decoded_weights_are_exact_in_bf16():
+    """The W4A16 bf16 path converts the fp16 products e2m1 * e4m3 * 2^-14 to
+    bf16 (cvt through fp32): exact for every code and finite e4m3 scale."""
+    e4 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    e4 = e4[torch.isfinite(e4)]
+    e2 = nv.e2m1_decode(torch.arange(16, dtype=torch.uint8)).double()
+    prod = (e2[:, None] * e4[None, :]) * 2.0 ** -14
+    assert torch.equal(prod.half().float().bfloat16().double(), prod)
 
 
 @nvrtc
@@ -154,7 +188,7 @@ def test_kernel_spec_validates():
 
 def test_prebuild_hook():
     specs = gv.prebuild_specs("4096:4096, 1040:4096")
-    assert len({s.key for s in specs}) == len(specs) == 8
+    assert len({s.key for s in specs}) == len(specs) == 16  # 2 shapes x 2 buckets x 2 outputs x W4A4/W4A16
     with pytest.raises(ValueError, match="--nvfp4-gemv"):
         gv.prebuild_specs("4096x4096")
 
@@ -164,8 +198,9 @@ def test_prebuild_hook():
 # ----------------------------------------------------------------------------
 
 
-def _problem(m, n=4096, k=4096, out_dtype=torch.bfloat16, w4a16=False, stride=None):
-    return Problem(Family.NVFP4, torch.device("cuda", 0), m, n, k, torch.uint8, out_dtype,
+def _problem(m, n=4096, k=4096, out_dtype=torch.bfloat16, w4a16=False, stride=None, act=None):
+    act = act if act is not None else torch.bfloat16 if w4a16 else torch.uint8
+    return Problem(Family.NVFP4, torch.device("cuda", 0), m, n, k, act, out_dtype,
                    k if stride is None else stride, (("bias", False), ("w4a16", w4a16)))
 
 
@@ -202,7 +237,8 @@ def test_env_gate_puts_it_first_for_small_m(fake_sm90):
         assert backends.select(_problem(m), "nvfp4_mm").name == gv.NAME
     assert backends.select(_problem(17), "nvfp4_mm").name != gv.NAME
     assert backends.select(_problem(4, out_dtype=torch.float32), "nvfp4_mm").name != gv.NAME
-    assert backends.select(_problem(4, w4a16=True), "nvfp4_w4a16_mm").name != gv.NAME
+    assert backends.select(_problem(4, w4a16=True), "nvfp4_w4a16_mm").name == gv.NAME
+    assert backends.select(_problem(17, w4a16=True), "nvfp4_w4a16_mm").name != gv.NAME
     assert gv.sm90_priority(True).count(gv.NAME) == 1
 
 
@@ -221,7 +257,9 @@ def test_env_var_is_read(monkeypatch):
     (_problem(17), "M <= 16"),
     (_problem(4, k=48), "multiple of 32"),
     (_problem(4, out_dtype=torch.float32), "bf16 or fp16"),
-    (_problem(4, w4a16=True), "W4A4"),
+    (_problem(4, w4a16=True, act=torch.float32), "fp16 or bf16 activation"),
+    (_problem(4, w4a16=True, stride=4096 + 4), "16 bytes"),
+    (_problem(17, w4a16=True), "M <= 16"),
     (_problem(4, stride=4096 + 16), "16 bytes"),
 ])
 def test_can_implement_says_why(p, why):
@@ -363,3 +401,88 @@ def test_tuning_table_valid_and_rule_reproduces_its_m8_column():
             assert gv.config_valid(cfg, n, k, mb) == (True, "ok"), (n, k, mb, cfg)
             assert gv.choose_config(n, k, mb) == cfg
         assert gv.default_config(n, k, 8) == per_mb[8], (n, k)
+
+
+# ----------------------------------------------------------------------------
+# GPU: W4A16 (fp16 / bf16 activation)
+# ----------------------------------------------------------------------------
+
+
+def _w4a16_operands(m, n, k, dtype=torch.bfloat16):
+    x = (torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 4).to(dtype)
+    w = torch.randn(n, k, device="cuda") / k ** 0.5
+    gs_w = torch.tensor(448 * 6 / float(w.abs().max()), device="cuda")
+    qb, sb = torch.ops.scaledmm.nvfp4_quant(w.bfloat16(), gs_w)
+    return x, qb, sb, (1.0 / gs_w).float()
+
+
+def _check16(out, x, qb, sb, alpha, bias=None):
+    wd = nv.dequantize(qb, sb).double()
+    ref = x.double() @ wd.t() * float(alpha)
+    if bias is not None:
+        ref = ref + bias.double()
+    absum = x.double().abs() @ wd.abs().t() * float(alpha)
+    eps = 2.0 ** -8 if out.dtype == torch.bfloat16 else 2.0 ** -11
+    bound = ref.abs() * eps + absum * 2.0 ** -20 + 1e-30
+    err = (out.double() - ref).abs()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten poison?)"
+    assert (err <= bound).all(), f"worst {float((err / bound).max()):.2f}x the bound"
+
+
+def _run16(x, qb, sb, alpha, out_dtype=torch.bfloat16, bias=None, cfg=None):
+    torch.full((x.shape[0] * qb.shape[0] + 1024,), float("nan"), device="cuda")  # NaN in the allocator
+    if cfg is not None:
+        out = poison_(nv.mm_output(x, qb, out_dtype))
+        return gv.launch(x, qb, sb, sb, alpha, bias, out, cfg)
+    with scaledmm.use_backend("nvfp4", gv.NAME):
+        return torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, alpha, out_dtype, bias)
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 9, 16])
+@pytest.mark.parametrize("n,k", LLAMA8B + [(1040, 4096), (200, 96)])
+def test_gpu_w4a16_matches_f64(m, n, k, dtype):
+    x, qb, sb, alpha = _w4a16_operands(m, n, k, dtype)
+    _check16(_run16(x, qb, sb, alpha), x, qb, sb, alpha)
+
+
+@requires_sm90
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_w4a16_bias_and_candidates(out_dtype, bias_dtype):
+    x, qb, sb, alpha = _w4a16_operands(5, 1040, 2048)
+    bias = torch.randn(1040, device="cuda").to(bias_dtype)
+    _check16(_run16(x, qb, sb, alpha * 3.0, out_dtype, bias), x, qb, sb, alpha * 3.0, bias)
+    for cfg in gv.candidate_configs(1040, 2048, 8, w4a16=True)[:12]:
+        _check16(_run16(x, qb, sb, alpha, cfg=cfg), x, qb, sb, alpha)
+
+
+@requires_sm90
+def test_gpu_w4a16_strided_misaligned_auto_and_graph():
+    x, qb, sb, alpha = _w4a16_operands(8, 4096, 4096)
+    wide = torch.zeros(8, 4096 + 1536, dtype=x.dtype, device="cuda")
+    wide[:, 512:512 + 4096] = x
+    _check16(_run16(wide[:, 512:512 + 4096], qb, sb, alpha), x, qb, sb, alpha)  # row stride 11264 bytes
+    odd = torch.zeros(8, 4096 + 1, dtype=x.dtype, device="cuda")
+    odd[:, 1:] = x  # 8194-byte rows: the automatic choice is another backend
+    with backends.record() as calls:
+        _check16(torch.ops.scaledmm.nvfp4_w4a16_mm(odd[:, 1:], qb, sb, alpha), x, qb, sb, alpha)
+    assert calls[-1][1] != gv.NAME
+    with backends.record() as calls:  # aligned, M <= 16: this backend by default
+        first = torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, alpha)
+    assert calls[-1][1] == gv.NAME or not gv.ENABLED
+    assert torch.equal(first, _run16(x, qb, sb, alpha))
+    x2, _, _, _ = _w4a16_operands(8, 4096, 4096)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _run16(x, qb, sb, alpha)
+    x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, _run16(x, qb, sb, alpha))
+
+
+def test_kernel_spec_rejects_activation_dtype():
+    with pytest.raises(ValueError, match="act_dtype:"):
+        gv.kernel_spec(64, 128, 8, gv.GemvConfig(16, 1, 1, 1), torch.bfloat16, None, torch.float32)
