@@ -201,6 +201,14 @@ TUNING: dict[tuple[int, int], dict[int, GemvConfig]] = {
     (28672, 4096): {8: G(32, 4, 1, 2), 16: G(32, 4, 1, 1)},   # 24.5 / 31.5 (bf16 58.6 / 58.6)
     (4096, 14336): {8: G(16, 8, 1, 2), 16: G(32, 8, 2, 1)},   # 15.1 / 18.1 (bf16 32.8 / 33.7)
 }
+# W4A16 (bf16 activation), H200 session 3 (device_nvfp4_gemv.py --part w4a16
+# --quick: 6 configs per point; us at M = 1 / 16, bf16 F.linear in the same run).
+TUNING_W4A16: dict[tuple[int, int], dict[int, GemvConfig]] = {
+    (6144, 4096): {8: G(16, 4, 1, 2), 16: G(16, 4, 1, 1)},    # 8.6 / 13.4 (bf16 16.3 / 16.4)
+    (4096, 4096): {8: G(16, 8, 1, 1), 16: G(32, 8, 1, 1)},    # 7.0 / 9.0 (bf16 13.4 / 13.7)
+    (28672, 4096): {8: G(32, 4, 1, 1), 16: G(32, 4, 1, 1)},   # 31.3 / 40.2 (bf16 55.8 / 57.1)
+    (4096, 14336): {8: G(16, 8, 1, 1), 16: G(32, 8, 1, 1)},   # 19.5 / 24.0 (bf16 32.8 / 33.6)
+}
 del G
 
 
@@ -233,9 +241,9 @@ def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w
 
 
 def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> GemvConfig:
-    """The measured table's config (``TUNING``, W4A4 only) or
+    """The measured table's config (``TUNING`` / ``TUNING_W4A16``) or
     :func:`default_config`."""
-    cfg = None if w4a16 else TUNING.get((n, k), {}).get(m_bucket)
+    cfg = (TUNING_W4A16 if w4a16 else TUNING).get((n, k), {}).get(m_bucket)
     if cfg is None or not config_valid(cfg, n, k, m_bucket, w4a16)[0]:
         cfg = default_config(n, k, m_bucket, num_sms, w4a16)
     return cfg

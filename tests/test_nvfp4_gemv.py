@@ -401,6 +401,10 @@ def test_tuning_table_valid_and_rule_reproduces_its_m8_column():
             assert gv.config_valid(cfg, n, k, mb) == (True, "ok"), (n, k, mb, cfg)
             assert gv.choose_config(n, k, mb) == cfg
         assert gv.default_config(n, k, 8) == per_mb[8], (n, k)
+    for (n, k), per_mb in gv.TUNING_W4A16.items():
+        for mb, cfg in per_mb.items():
+            assert gv.config_valid(cfg, n, k, mb, w4a16=True) == (True, "ok"), (n, k, mb, cfg)
+            assert gv.choose_config(n, k, mb, w4a16=True) == cfg
 
 
 # ----------------------------------------------------------------------------
