@@ -341,6 +341,63 @@ def case_nvfp4_w4a16(ctx: Ctx):
     return close(out, ref, 1e-2, first)
 
 
+GEMV_MNK = (5, 200, 736)  # M <= 16, K % 32 == 0 with a partial 128-k unit
+
+
+def case_nvfp4_gemv(ctx: Ctx, w4a16: bool):
+    """cuda_gemv (csrc/nvfp4_gemv.cu) through the op: W4A4 at M = 5, or W4A16
+    with a strided bf16 activation at M = 9 (two activation fragments)."""
+    import torch
+
+    import scaledmm
+    from scaledmm.ops import nvfp4 as nv
+
+    m, n, k = GEMV_MNK
+    _, qb, sb, gb = _nvfp4_quantized(ctx, n, k)
+    qb_d, sb_d = qb.to(ctx.dev), sb.to(ctx.dev)
+    if w4a16:
+        m = 9
+        x = ctx.randn(m, k, dtype=torch.bfloat16)
+        walpha = (1.0 / gb).float()
+        x_d, wa_d = ctx.strided(x), walpha.to(ctx.dev)
+        need_backend("nvfp4", "cuda_gemv", nv.w4a16_problem(x_d, qb_d, torch.bfloat16, None))
+        with scaledmm.use_backend("nvfp4", "cuda_gemv"):
+            first, out = ctx.twice(lambda: torch.ops.scaledmm.nvfp4_w4a16_mm(x_d, qb_d, sb_d, wa_d))
+        ref = x.double() @ nv.dequantize(qb, sb).double().t() * float(walpha)
+        return close(out, ref, 1e-2, first)
+    _, qa, sa, ga = _nvfp4_quantized(ctx, m, k)
+    alpha = (1.0 / (ga * gb)).float()
+    d = [t.to(ctx.dev) for t in (qa, qb, sa, sb, alpha)]
+    need_backend("nvfp4", "cuda_gemv", nv.mm_problem(d[0], d[1], torch.bfloat16, None))
+    with scaledmm.use_backend("nvfp4", "cuda_gemv"):
+        first, out = ctx.twice(lambda: torch.ops.scaledmm.nvfp4_mm(*d))
+    ref = (nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t()) * float(alpha)
+    return close(out, ref, 1e-2, first)
+
+
+def case_nvfp4_decode_cublas(ctx: Ctx):
+    """decode_cublas (ops/nvfp4_cublas.py): Triton decodes + cuBLAS fp32-out mm +
+    the Triton epilogue with bias, M just above MIN_M, N not a multiple of 128."""
+    import torch
+
+    import scaledmm
+    from scaledmm.ops import nvfp4 as nv
+    from scaledmm.ops import nvfp4_cublas as dc
+
+    m, n, k = dc.MIN_M + 2, 200, 736
+    _, qa, sa, ga = _nvfp4_quantized(ctx, m, k)
+    _, qb, sb, gb = _nvfp4_quantized(ctx, n, k)
+    alpha = (1.0 / (ga * gb)).float()
+    bias = ctx.randn(n)
+    d = [t.to(ctx.dev) for t in (qa, qb, sa, sb, alpha)]
+    bias_d = bias.to(ctx.dev)
+    need_backend("nvfp4", dc.NAME, nv.mm_problem(d[0], d[1], torch.bfloat16, bias_d))
+    with scaledmm.use_backend("nvfp4", dc.NAME):
+        first, out = ctx.twice(lambda: torch.ops.scaledmm.nvfp4_mm(*d, torch.bfloat16, bias_d))
+    ref = (nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t()) * float(alpha) + bias.double()
+    return close(out, ref, 1e-2, first)
+
+
 def case_nvfp4_quant(ctx: Ctx):
     import torch
 
@@ -452,6 +509,9 @@ CHILD_CASES = {
     "nvfp4_tri_mm": case_nvfp4_mm,
     "nvfp4_tri_w4a16": case_nvfp4_w4a16,
     "nvfp4_tri_quant": case_nvfp4_quant,
+    "nvfp4_gemv_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False),
+    "nvfp4_gemv_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True),
+    "nvfp4_decode_cublas": case_nvfp4_decode_cublas,
     "fp8_tri_quant": case_fp8_quant,
     "skinny_v1": lambda ctx: case_skinny(ctx, "reg"),
     "skinny_v2": lambda ctx: case_skinny(ctx, "tma"),

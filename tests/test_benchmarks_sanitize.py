@@ -21,7 +21,7 @@ from benchmarks import device_sanitize as ds  # noqa: E402
 from benchmarks import sanitize_children as sc  # noqa: E402
 
 SCRIPT = str(REPO / "benchmarks" / "device_sanitize.py")
-TRITON_CASES = [c.name for c in ds.CASES if "_tri_" in c.name]
+TRITON_CASES = [c.name for c in ds.CASES if "_tri_" in c.name or c.name == "nvfp4_decode_cublas"]
 GPU_ONLY = [c.name for c in ds.CASES if c.name not in TRITON_CASES]
 
 
@@ -46,7 +46,8 @@ def test_jobs_per_case_and_order():
         want = list(ds.CSRC_TOOLS) if c.csrc else ["memcheck"] + (["racecheck"] if c.name == ds.RACECHECK_INFO_CASE
                                                                    else [])
         assert sorted(by_case[c.name]) == sorted(want), c.name
-    assert {c.name for c in ds.CASES if c.csrc} == {"skinny_v1", "skinny_v2"} | set(ds.CUTLASS_CONFIGS)
+    assert {c.name for c in ds.CASES if c.csrc} == ({"skinny_v1", "skinny_v2", "nvfp4_gemv_w4a4", "nvfp4_gemv_w4a16"}
+                                                     | set(ds.CUTLASS_CONFIGS))
     assert all(name in ds.CHILD_CASES for name in ds.CUTLASS_CONFIGS)
     info = [j.info for j in jobs]
     assert info == sorted(info), "required jobs start before informational ones"
