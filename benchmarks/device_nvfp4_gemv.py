@@ -113,15 +113,20 @@ def main() -> None:
                   f"best {best[1]} {best[0]:.1f}  ({time.time() - t_start:.0f}s)", flush=True)
             del ws
             torch.cuda.empty_cache()
-    print("\n| N x K | M | ok | gemv us | triton us | bf16 us | bf16/gemv | default | best cfg | best us |")
+    report(rows, "", fails, t_start, "nvfp4_gemv.json")
+
+
+def report(rows: list[dict], label: str, fails: int, t_start: float, fname: str) -> None:
+    """The markdown table of ``rows``, the failure count, ``$OUT/fname``."""
+    print(f"\n| {label}N x K | M | ok | gemv us | triton us | bf16 us | bf16/gemv | default | best cfg | best us |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['n']}x{r['k']} | {r['m']} | {'y' if r['ok'] and r['det'] else 'NO'} | {r['gemv_us']:.1f} | "
               f"{r['triton_us']:.1f} | {r['bf16_us']:.1f} | {r['bf16_us'] / r['gemv_us']:.2f}x | {r['default']} | "
               f"{r['best']} | {r['best_us']:.1f} |")
-    print(f"\n{fails} correctness/determinism failures; {time.time() - t_start:.0f} s")
+    print(f"\n{label}{fails} correctness/determinism failures; {time.time() - t_start:.0f} s")
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "nvfp4_gemv.json").write_text(json.dumps(rows, indent=1))
+        Path(os.environ["OUT"], fname).write_text(json.dumps(rows, indent=1))
 
 
 def w4a16_part(quick: bool) -> None:
@@ -174,15 +179,7 @@ def w4a16_part(quick: bool) -> None:
                   f"bf16 {us_bf:.1f} best {best[1]} {best[0]:.1f}  ({time.time() - t_start:.0f}s)", flush=True)
         del ws, wbf
         torch.cuda.empty_cache()
-    print("\n| W4A16 N x K | M | ok | gemv us | triton us | bf16 us | bf16/gemv | default | best cfg | best us |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['n']}x{r['k']} | {r['m']} | {'y' if r['ok'] and r['det'] else 'NO'} | {r['gemv_us']:.1f} | "
-              f"{r['triton_us']:.1f} | {r['bf16_us']:.1f} | {r['bf16_us'] / r['gemv_us']:.2f}x | {r['default']} | "
-              f"{r['best']} | {r['best_us']:.1f} |")
-    print(f"\nW4A16: {fails} correctness/determinism failures; {time.time() - t_start:.0f} s")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "nvfp4_gemv_w4a16.json").write_text(json.dumps(rows, indent=1))
+    report(rows, "W4A16 ", fails, t_start, "nvfp4_gemv_w4a16.json")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 // PTX helpers shared by the DSV3 fused-A kernels (dsv3_fused_a_gemm.cu, the
-// register kernel, and dsv3_fused_a_gemm_tma.cu, the TMA-ring kernel).
+// register kernel, and dsv3_fused_a_gemm_tma.cu, the TMA-ring kernel) and the
+// NVFP4 small-M kernel (nvfp4_gemv.cu).
 // Compiled at run time by NVRTC; no CUDA headers needed.
 #pragma once
 
@@ -44,6 +45,17 @@ __device__ __forceinline__ u32 cluster_rank() {
 // Publishes every thread's shared-memory writes cluster-wide.
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// A float of the shared memory of cluster rank ``rank`` at the address of ``p``
+// in this CTA (the split-K partial sums, added in rank order).
+__device__ __forceinline__ float load_peer_smem(const float* p, u32 rank) {
+  u32 local, remote;
+  asm volatile("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(local) : "l"(p));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
 }
 
 }  // namespace fa_ptx

@@ -337,15 +337,6 @@ __device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& 
   }
 }
 
-__device__ __forceinline__ float load_peer_smem(const float* p, u32 rank) {
-  u32 local, remote;
-  asm volatile("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(local) : "l"(p));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
-
 // Byte offset of scale column 8 * unit0 + 2 t (unit 0) of row r in the swizzled layout.
 __device__ __forceinline__ long long scale_offset(int r, int t4) {
   return ((long long)(r >> 7) * SCALE_C4 + (t4 >> 1)) * 512 + (r & 31) * 16 + ((r & 127) >> 5) * 4 + 2 * (t4 & 1);

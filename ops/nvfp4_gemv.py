@@ -424,14 +424,7 @@ def prebuild_specs(value: str) -> list[jit.NvrtcKernelSpec]:
     """Specs of both M buckets, both output dtypes, W4A4 and bf16 W4A16 (no
     bias) for each ``N:K``."""
     specs: dict[str, jit.NvrtcKernelSpec] = {}
-    for item in value.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        try:
-            n, k = (int(v) for v in item.split(":"))
-        except ValueError:
-            raise ValueError(f"--nvfp4-gemv: expected N:K pairs such as 4096:4096, got {item!r}") from None
+    for n, k in jit.parse_shapes(value, "nvfp4-gemv"):
         for mb in M_BUCKETS:
             for dt in OUT_DTYPES:
                 for act in (torch.uint8, torch.bfloat16):  # W4A4, W4A16 with a bf16 activation

@@ -525,14 +525,7 @@ def prebuild_specs(value: str) -> list[jit.NvrtcKernelSpec]:
     """Specs of both M buckets, without and with PDL (:func:`pdl_config`),
     for each ``N:K`` of ``value`` (e.g. ``"2112:7168,576:7168"``); each once."""
     specs: dict[str, jit.NvrtcKernelSpec] = {}
-    for item in value.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        try:
-            n, k = (int(v) for v in item.split(":"))
-        except ValueError:
-            raise ValueError(f"--skinny: expected N:K pairs such as 2112:7168, got {item!r}") from None
+    for n, k in jit.parse_shapes(value, "skinny"):
         for mb in M_BUCKETS:
             for pdl in (False, True):
                 spec = kernel_spec(n, k, mb, choose_config(n, k, mb, pdl))

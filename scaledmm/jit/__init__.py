@@ -54,6 +54,7 @@ from .core import (  # noqa: F401  (re-exports; the private names are used by op
     cuda_include_dirs,
     nvcc_path,
     nvrtc_available,
+    parse_shapes,
     register_prebuild,
     source_closure,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "nvrtc_available",
     "sm90a_gate",
     "cuda_include_dirs",
+    "parse_shapes",
     "register_prebuild",
     "cached_entries",
     "main",

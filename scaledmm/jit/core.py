@@ -334,6 +334,28 @@ def register_prebuild(flag: str, specs_for: Callable[[str], list[Any]], help: st
     _PREBUILD[flag] = (specs_for, help)
 
 
+def parse_shapes(value: str, flag: str) -> list[tuple[int, int]]:
+    """The ``N:K`` pairs of a pre-build flag's value (``"2112:7168, 576:7168"``).
+
+    Examples
+    --------
+    >>> from scaledmm import jit
+    >>> jit.parse_shapes("2112:7168, 576:7168,", "skinny")
+    [(2112, 7168), (576, 7168)]
+    """
+    out = []
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            n, k = (int(v) for v in item.split(":"))
+        except ValueError:
+            raise ValueError(f"--{flag}: expected N:K pairs such as 4096:4096, got {item!r}") from None
+        out.append((n, k))
+    return out
+
+
 def cached_entries() -> list[dict[str, Any]]:
     """Every complete entry of the cache: its ``meta.json`` plus path and size."""
     root = cache_dir()
