@@ -4,10 +4,13 @@ kernel vs the Triton default vs bf16 ``F.linear`` at M in 1, 4, 16 on the
 llama8b shapes (cold L2: weight copies rotated past 2x L2; CUDA-graph replay;
 medians), and a config sweep printing the best config per point.
 
-    python benchmarks/device_nvfp4_gemv.py [--quick] [--part w4a4|w4a16|all]
+    python benchmarks/device_nvfp4_gemv.py [--quick] [--part w4a4|w4a16|all] [--ms 32,64,128] [--sweep N]
 
 ``--part w4a16`` times ``nvfp4_w4a16_mm`` instead (bf16 activation; the
 kernel vs the Triton W4A16 kernel vs bf16 ``F.linear``, a short sweep).
+``--ms`` picks the M values (default 1,4,16); at M >= 64 the exact
+``decode_cublas`` backend is timed too (its M >= 128 gate bypassed), the
+break-even that sets ``MAX_M``.  ``--sweep`` caps the configs per point.
 
 Prints a compact table; with ``$OUT`` set, writes ``nvfp4_gemv.json`` there.
 Budget: about 2 minutes on the H200 (40 configs per shape at M = 1 and 16; --quick: 8).
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import scaledmm  # noqa: E402,F401
 from benchmarks import timing  # noqa: E402
 from scaledmm.ops import nvfp4 as nv  # noqa: E402
+from scaledmm.ops import nvfp4_cublas as dc  # noqa: E402
 from scaledmm.ops import nvfp4_gemv as gv  # noqa: E402
 from scaledmm.ops import nvfp4_triton as tr  # noqa: E402
 
@@ -63,9 +67,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--part", choices=("w4a4", "w4a16", "all"), default="w4a4")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
+    ap.add_argument("--sweep", type=int, default=None, help="configs per point (default 40, --quick 8)")
     args = ap.parse_args()
+    ms = tuple(int(v) for v in args.ms.split(","))
+    sweep_n = args.sweep if args.sweep is not None else 8 if args.quick else 40
     if args.part in ("w4a16", "all"):
-        w4a16_part(args.quick)
+        w4a16_part(args.quick, ms, args.sweep)
     if args.part == "w4a16":
         return
     dev = torch.device("cuda")
@@ -76,7 +84,7 @@ def main() -> None:
         bf16_bytes = n * k * 2
         copies = timing.copies_for(n * k * 9 // 16, cfg_t)
         bf_copies = timing.copies_for(bf16_bytes, cfg_t)
-        for m in MS:
+        for m in ms:
             x, qa, sa, ws, alpha = quantized(n, k, m, max(copies, bf_copies) if m == 1 else copies, dev)
             mb = gv.m_bucket(m)
             qb, sb, _ = ws[0]
@@ -90,13 +98,14 @@ def main() -> None:
 
             us_new = t(lambda c: lambda: gv.gemv_mm(qa, c[0], sa, c[1], alpha))
             us_tri = t(lambda c: lambda: tr.mm(qa, c[0], sa, c[1], alpha))
+            us_dc = t(lambda c: lambda: dc.mm(qa, c[0], sa, c[1], alpha)) if m >= 64 else float("nan")
             wbf = [c[2] for c in ws[:bf_copies]] if m == 1 else None
             if wbf is None:
                 wbf = [(torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16) for _ in range(bf_copies)]
             us_bf = timing.measure([(lambda w: lambda: F.linear(x, w))(w) for w in wbf], dev, cfg_t).median_us
             del wbf
             sweep = []
-            budget = 0 if m == 4 else 8 if args.quick else 40  # M = 4 shares M = 1's bucket
+            budget = 0 if m == 4 else sweep_n  # M = 4 shares M = 1's bucket
             for cfg in gv.candidate_configs(n, k, mb)[:budget]:
                 try:
                     us = t(lambda c, cfg=cfg: lambda: gv.launch(qa, c[0], sa, c[1], alpha, None,
@@ -107,9 +116,9 @@ def main() -> None:
                 sweep.append((us, cfg.short()))
             best = min(sweep) if sweep else (float("nan"), "-")
             rows.append(dict(n=n, k=k, m=m, ok=bool(ok), det=det, err=err, gemv_us=us_new, triton_us=us_tri,
-                             bf16_us=us_bf, default=gv.choose_config(n, k, mb).short(), best=best[1],
+                             decode_cublas_us=us_dc, bf16_us=us_bf, default=gv.choose_config(n, k, mb).short(), best=best[1],
                              best_us=best[0], sweep=sweep))
-            print(f"{n}x{k} m={m}: ok={ok} det={det} gemv {us_new:.1f} triton {us_tri:.1f} bf16 {us_bf:.1f} "
+            print(f"{n}x{k} m={m}: ok={ok} det={det} gemv {us_new:.1f} triton {us_tri:.1f} dc {us_dc:.1f} bf16 {us_bf:.1f} "
                   f"best {best[1]} {best[0]:.1f}  ({time.time() - t_start:.0f}s)", flush=True)
             del ws
             torch.cuda.empty_cache()
@@ -118,18 +127,19 @@ def main() -> None:
 
 def report(rows: list[dict], label: str, fails: int, t_start: float, fname: str) -> None:
     """The markdown table of ``rows``, the failure count, ``$OUT/fname``."""
-    print(f"\n| {label}N x K | M | ok | gemv us | triton us | bf16 us | bf16/gemv | default | best cfg | best us |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\n| {label}N x K | M | ok | gemv us | triton us | decode_cublas us | bf16 us | bf16/gemv | default | "
+          "best cfg | best us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['n']}x{r['k']} | {r['m']} | {'y' if r['ok'] and r['det'] else 'NO'} | {r['gemv_us']:.1f} | "
-              f"{r['triton_us']:.1f} | {r['bf16_us']:.1f} | {r['bf16_us'] / r['gemv_us']:.2f}x | {r['default']} | "
-              f"{r['best']} | {r['best_us']:.1f} |")
+              f"{r['triton_us']:.1f} | {r.get('decode_cublas_us', float('nan')):.1f} | {r['bf16_us']:.1f} | "
+              f"{r['bf16_us'] / r['gemv_us']:.2f}x | {r['default']} | {r['best']} | {r['best_us']:.1f} |")
     print(f"\n{label}{fails} correctness/determinism failures; {time.time() - t_start:.0f} s")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], fname).write_text(json.dumps(rows, indent=1))
 
 
-def w4a16_part(quick: bool) -> None:
+def w4a16_part(quick: bool, ms: tuple[int, ...] = MS, sweep_n: int | None = None) -> None:
     """W4A16 (bf16 activation): correctness, the kernel vs Triton vs bf16."""
     dev = torch.device("cuda")
     cfg_t = timing.TimingConfig.for_device(dev, quick=True)
@@ -145,9 +155,9 @@ def w4a16_part(quick: bool) -> None:
             qb, sb = torch.ops.scaledmm.nvfp4_quant(w, gs_w)
             ws.append((qb, sb, (1.0 / gs_w).float() * one))
         wbf = [(torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16) for _ in range(bf_copies)]
-        for m in MS:
+        for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            mb = gv.m_bucket(m)
+            mb = gv.m_bucket(m, w4a16=True)
             qb, sb, wa = ws[0]
             out = gv.gemv_w4a16(x, qb, sb, wa)
             ref = x.double() @ nv.dequantize(qb, sb).double().t() * wa.double()
@@ -161,9 +171,11 @@ def w4a16_part(quick: bool) -> None:
 
             us_new = t(lambda c: lambda: gv.gemv_w4a16(x, c[0], c[1], c[2]), ws)
             us_tri = t(lambda c: lambda: tr.w4a16_mm(x, c[0], c[1], c[2]), ws)
+            us_dc = t(lambda c: lambda: dc.w4a16_mm(x, c[0], c[1], c[2]), ws) if m >= 64 else float("nan")
             us_bf = t(lambda w: lambda: F.linear(x, w), wbf)
             sweep = []
-            for cfg in (gv.candidate_configs(n, k, mb, w4a16=True)[: (0 if m == 4 else 6 if quick else 16)]):
+            budget = 0 if m == 4 else sweep_n if sweep_n is not None else 6 if quick else 16
+            for cfg in gv.candidate_configs(n, k, mb, w4a16=True)[:budget]:
                 try:
                     us = t(lambda c, cfg=cfg: lambda: gv.launch(x, c[0], c[1], c[1], c[2], None,
                                                                 nv.mm_output(x, c[0], torch.bfloat16), cfg), ws)
@@ -173,7 +185,7 @@ def w4a16_part(quick: bool) -> None:
                 sweep.append((us, cfg.short()))
             best = min(sweep) if sweep else (float("nan"), "-")
             rows.append(dict(n=n, k=k, m=m, ok=ok, det=det, err=err, gemv_us=us_new, triton_us=us_tri,
-                             bf16_us=us_bf, default=gv.choose_config(n, k, mb, w4a16=True).short(),
+                             decode_cublas_us=us_dc, bf16_us=us_bf, default=gv.choose_config(n, k, mb, w4a16=True).short(),
                              best=best[1], best_us=best[0], sweep=sweep))
             print(f"W4A16 {n}x{k} m={m}: ok={ok} det={det} err={err:.1e} gemv {us_new:.1f} triton {us_tri:.1f} "
                   f"bf16 {us_bf:.1f} best {best[1]} {best[0]:.1f}  ({time.time() - t_start:.0f}s)", flush=True)

@@ -129,6 +129,8 @@ CASES: tuple[Case, ...] = (
     Case("nvfp4_tri_quant", "nvfp4_quant Triton (op), swizzled scales with pad zeros", "M17 K720, strided x"),
     Case("nvfp4_gemv_w4a4", "nvfp4_mm cuda_gemv (csrc/nvfp4_gemv.cu, NVRTC), W4A4", "M5 N200 K736", csrc=True),
     Case("nvfp4_gemv_w4a16", "nvfp4_w4a16_mm cuda_gemv, bf16 activation", "M9 N200 K736, strided x", csrc=True),
+    Case("nvfp4_gemv_wide", "nvfp4_mm cuda_gemv, the 32-row bucket (word-at-a-time decode path)",
+         "M29 N200 K736, strided a", csrc=True),
     Case("nvfp4_decode_cublas", "nvfp4_mm decode_cublas: Triton decodes, cuBLAS fp32 mm, Triton epilogue + bias",
          "M130 N200 K736"),
     Case("fp8_tri_quant", "quant_fp8 Triton (ops/fp8_triton_quant.py, if present): per-token, per-tensor, static",

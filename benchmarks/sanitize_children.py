@@ -344,9 +344,10 @@ def case_nvfp4_w4a16(ctx: Ctx):
 GEMV_MNK = (5, 200, 736)  # M <= 16, K % 32 == 0 with a partial 128-k unit
 
 
-def case_nvfp4_gemv(ctx: Ctx, w4a16: bool):
-    """cuda_gemv (csrc/nvfp4_gemv.cu) through the op: W4A4 at M = 5, or W4A16
-    with a strided bf16 activation at M = 9 (two activation fragments)."""
+def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, m: int | None = None):
+    """cuda_gemv (csrc/nvfp4_gemv.cu) through the op: W4A4 at M = 5 (or ``m``:
+    29 is the 32-row bucket, read through a row stride), or
+    W4A16 with a strided bf16 activation at M = 9 (two activation fragments)."""
     import torch
 
     import scaledmm
@@ -365,9 +366,12 @@ def case_nvfp4_gemv(ctx: Ctx, w4a16: bool):
             first, out = ctx.twice(lambda: torch.ops.scaledmm.nvfp4_w4a16_mm(x_d, qb_d, sb_d, wa_d))
         ref = x.double() @ nv.dequantize(qb, sb).double().t() * float(walpha)
         return close(out, ref, 1e-2, first)
+    m = m or GEMV_MNK[0]
     _, qa, sa, ga = _nvfp4_quantized(ctx, m, k)
     alpha = (1.0 / (ga * gb)).float()
     d = [t.to(ctx.dev) for t in (qa, qb, sa, sb, alpha)]
+    if m > 16:
+        d[0] = ctx.strided(qa)
     need_backend("nvfp4", "cuda_gemv", nv.mm_problem(d[0], d[1], torch.bfloat16, None))
     with scaledmm.use_backend("nvfp4", "cuda_gemv"):
         first, out = ctx.twice(lambda: torch.ops.scaledmm.nvfp4_mm(*d))
@@ -511,6 +515,7 @@ CHILD_CASES = {
     "nvfp4_tri_quant": case_nvfp4_quant,
     "nvfp4_gemv_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False),
     "nvfp4_gemv_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True),
+    "nvfp4_gemv_wide": lambda ctx: case_nvfp4_gemv(ctx, False, 29),
     "nvfp4_decode_cublas": case_nvfp4_decode_cublas,
     "fp8_tri_quant": case_fp8_quant,
     "skinny_v1": lambda ctx: case_skinny(ctx, "reg"),

@@ -1,6 +1,6 @@
 // Small-M NVFP4 GEMM ("GEMV") for Hopper, which has no FP4 tensor cores:
 //
-//     W4A4:  out[m, n] = alpha * sum_k deq(a)[m, k] * deq(b)[n, k] (+ bias[n])    M <= 16
+//     W4A4:  out[m, n] = alpha * sum_k deq(a)[m, k] * deq(b)[n, k] (+ bias[n])    small M
 //     W4A16: out[m, n] = alpha * sum_k a[m, k] * deq(b)[n, k] (+ bias[n])         (G_ACT 1, 2)
 //
 //     a: uint8 [M, K/2] packed e2m1 (low nibble first), rows a_stride bytes apart;
@@ -19,7 +19,7 @@
 //   G_SPLIT      CTAs per thread-block cluster along K (1, 2, 4, 8), partial
 //                sums added through distributed shared memory in rank order
 //   G_UNROLL     128-wide K units per register batch (two batches in flight)
-//   G_MB         M bucket: 8 (M <= 8) or 16
+//   G_MB         M bucket: 8, 16 or 32 activation rows (M <= G_MB)
 //   G_OUT_F16    1: fp16 output, 0: bf16
 //   G_BIAS       0: none, 1: fp32, 2: bf16, 3: fp16 bias
 //   G_ACT        0: packed e2m1 activation with its block scales (W4A4),
@@ -27,8 +27,11 @@
 //
 // Design (the kernel streams the packed weight from HBM once):
 //  * Swap-AB mma.sync m16n8k16 f16 x f16 -> f32: A = 16 weight rows x 16 k,
-//    B = activation^T (16 k x 8 tokens), D = out^T.  M <= 8 uses one B
-//    fragment, 9..16 two.
+//    B = activation^T (16 k x 8 tokens), D = out^T: one B fragment per 8
+//    rows of the M bucket.  Up to 16 rows the whole unit of activation is
+//    decoded first; from 32 rows on, one 32-bit word of each fragment at a
+//    time, after the weight word it meets (registers stay bounded; the
+//    accumulation order is the same).
 //  * Each thread loads 16 contiguous bytes (32 k) of weight rows g and g + 8
 //    and of activation row g straight into registers with
 //    ld.global.nc.L1::no_allocate.v4 (128-wide unit: thread t of a quad owns
@@ -113,7 +116,7 @@ constexpr int X_UNIT_BYTES = ACT == 0 ? 64 : 256;  // bytes of an activation row
 static_assert(K % 32 == 0 && K > 0, "K must be a positive multiple of 32");
 static_assert(N > 0, "N must be positive");
 static_assert(ROWS == 16 || ROWS == 32 || ROWS == 64, "G_ROWS must be 16, 32 or 64");
-static_assert(MB == 8 || MB == 16, "G_MB must be 8 or 16");
+static_assert(MB == 8 || MB == 16 || MB == 32, "G_MB must be 8, 16 or 32");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4 || SPLIT == 8, "G_SPLIT must be 1, 2, 4 or 8");
 static_assert(WARPS >= 1 && WARPS <= 16, "G_WARPS must be 1..16");
 static_assert(U >= 1 && U <= 4, "G_UNROLL must be 1..4");
@@ -285,7 +288,72 @@ __device__ __forceinline__ void load_batch(Batch& b, const Operands& op, int bat
   }
 }
 
+// The activation word q (k 8q .. 8q + 7 of the thread's 32) of fragment f,
+// in decode8's order; xlo / xhi: the fragment's W4A4 scale pairs.
+__device__ __forceinline__ void act_word(const Batch& b, int i, int f, int q, u32 xlo, u32 xhi, u32* r) {
+  if (ACT == 0) {
+    decode8(b.x[i][f][0].v[q], q < 2 ? xlo : xhi, r);
+  } else {  // 16 bytes = k 8q .. 8q + 7 as pairs (0 1)(2 3)(4 5)(6 7)
+    const V4& v = b.x[i][f][q];
+    r[0] = __byte_perm(v.v[0], v.v[2], 0x5410);
+    r[1] = __byte_perm(v.v[0], v.v[2], 0x7632);
+    r[2] = __byte_perm(v.v[1], v.v[3], 0x5410);
+    r[3] = __byte_perm(v.v[1], v.v[3], 0x7632);
+  }
+}
+
+// The weight word q of both row halves of tile t, decoded (bf16 for G_ACT 2).
+__device__ __forceinline__ void weight_word(const Batch& b, int i, int t, int q, const u32 (&slo)[2],
+                                            const u32 (&shi)[2], u32 (&r0)[4], u32 (&r1)[4]) {
+  decode8(b.w[i][t][0].v[q], q < 2 ? slo[0] : shi[0], r0);
+  decode8(b.w[i][t][1].v[q], q < 2 ? slo[1] : shi[1], r1);
+  if (ACT == 2) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      r0[j] = f16x2_to_bf16x2(r0[j]);
+      r1[j] = f16x2_to_bf16x2(r1[j]);
+    }
+  }
+}
+
+// MB == 32: per weight word, every fragment's activation word (decoded once).
+__device__ __forceinline__ void mma_batch_wide(float (&acc)[NT][MF][4], const Batch& b) {
+#pragma unroll
+  for (int i = 0; i < U; ++i) {
+    u32 slo[NT][2], shi[NT][2];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      scale_pairs(b.ws[i][t][0], slo[t][0], shi[t][0]);
+      scale_pairs(b.ws[i][t][1], slo[t][1], shi[t][1]);
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      u32 r0[NT][4], r1[NT][4];
+#pragma unroll
+      for (int t = 0; t < NT; ++t) weight_word(b, i, t, q, slo[t], shi[t], r0[t], r1[t]);
+#pragma unroll
+      for (int f = 0; f < MF; ++f) {
+        u32 xlo = 0u, xhi = 0u, xq[4];
+        if (ACT == 0) scale_pairs(b.xs[i][f], xlo, xhi);
+        act_word(b, i, f, q, xlo, xhi, xq);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            mma_act(acc[t][f], r0[t][2 * s], r1[t][2 * s], r0[t][2 * s + 1], r1[t][2 * s + 1], xq[2 * s],
+                    xq[2 * s + 1]);
+          }
+        }
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& b) {
+  if (MF > 2) {
+    mma_batch_wide(acc, b);
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < U; ++i) {
     u32 xd[MF][16];  // the thread's 32 k in decode8's order: xd[4q + j] = {k 8q + j, k 8q + j + 4}
@@ -298,13 +366,7 @@ __device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& 
         for (int q = 0; q < 4; ++q) decode8(b.x[i][f][0].v[q], q < 2 ? lo : hi, &xd[f][4 * q]);
       } else {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {  // 16 bytes = k 8q .. 8q + 7 as pairs (0 1)(2 3)(4 5)(6 7)
-          const V4& v = b.x[i][f][q];
-          xd[f][4 * q + 0] = __byte_perm(v.v[0], v.v[2], 0x5410);
-          xd[f][4 * q + 1] = __byte_perm(v.v[0], v.v[2], 0x7632);
-          xd[f][4 * q + 2] = __byte_perm(v.v[1], v.v[3], 0x5410);
-          xd[f][4 * q + 3] = __byte_perm(v.v[1], v.v[3], 0x7632);
-        }
+        for (int q = 0; q < 4; ++q) act_word(b, i, f, q, 0u, 0u, &xd[f][4 * q]);
       }
     }
 #pragma unroll
@@ -315,15 +377,7 @@ __device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& 
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         u32 r0[4], r1[4];  // rows g and g + 8, k offsets 8q .. 8q + 7 of the chunk
-        decode8(b.w[i][t][0].v[q], q < 2 ? slo[0] : shi[0], r0);
-        decode8(b.w[i][t][1].v[q], q < 2 ? slo[1] : shi[1], r1);
-        if (ACT == 2) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            r0[j] = f16x2_to_bf16x2(r0[j]);
-            r1[j] = f16x2_to_bf16x2(r1[j]);
-          }
-        }
+        weight_word(b, i, t, q, slo, shi, r0, r1);
 #pragma unroll
         for (int s = 0; s < 2; ++s) {  // two k16 steps per word
 #pragma unroll
@@ -369,7 +423,8 @@ __device__ __forceinline__ void store_out(u16* out, const void* bias, float alph
 #endif
 
 // grid (ceil(N / ROWS), SPLIT), block (32 * WARPS); clusters of (1, SPLIT, 1).
-// a_stride: bytes between rows of a (a multiple of 16, or anything when m == 1).
+// m <= MB; a_stride: bytes between rows of a (a multiple of 16, or anything
+// when m == 1).
 extern "C" __global__ void G_CLUSTER __launch_bounds__(gv::THREADS)
 nvfp4_gemv(const unsigned char* __restrict__ a, const unsigned char* __restrict__ b,
            const unsigned char* __restrict__ a_scales, const unsigned char* __restrict__ b_scales,

@@ -1,5 +1,5 @@
 """Backend ``cuda_gemv`` of the ``nvfp4`` family: our CUDA kernel for W4A4
-``nvfp4_mm`` and W4A16 ``nvfp4_w4a16_mm`` at small M (M <= 16) on Hopper,
+``nvfp4_mm`` (M <= 32) and W4A16 ``nvfp4_w4a16_mm`` (M <= 16) on Hopper,
 ``csrc/nvfp4_gemv.cu``, compiled
 at run time with NVRTC for the (N, K, config, M bucket, output / bias dtype)
 it meets, cached on disk (``scaledmm.jit``), launched on torch's current stream.
@@ -13,13 +13,20 @@ sums, one rounding to the output.  W4A16 reads the fp16 / bf16 activation
 straight into the MMA's B fragments (bf16: the exact fp16 weight values are
 converted to bf16, exactly, and the MMA runs in bf16).  Split K over warps (shared memory) and
 over the CTAs of a thread-block cluster (DSMEM), in a fixed order:
-deterministic, no workspace, CUDA-graph safe.  See the .cu file's header.
+deterministic, no workspace, CUDA-graph safe.  M buckets of 8, 16 and 32
+activation rows (W4A16: 8 and 16).  The limits are measured (H200, session 4):
+a 64-row bucket (16-row tiles, the only ones whose accumulators fit the
+registers) and row slices of it lost to the Triton kernel on two of the four
+llama8b shapes at M = 64 and to ``decode_cublas`` at M = 128; W4A16 at M = 32
+lost to Triton on two of four.  Register streaming without shared-memory reuse
+is compute-bound past ~32 rows.  See the .cu file's header.
 
 **Default on sm90** since the H200 validated it (session 3,
 ``benchmarks/device_nvfp4_gemv.py``: every check bit-deterministic and within
 the float64 bound; llama8b shapes 2.2-2.4x bf16 ``F.linear`` at M <= 4 with
-the measured configs).  It is first in the automatic sm90 priority list for
-the calls it can implement (M <= 16, bf16/fp16 output); setting
+the measured configs; session 4: M = 17-32 1.1-1.4x bf16 and 2.1-2.5x the Triton
+kernel).  It is first in the automatic sm90 priority list for
+the calls it can implement (bf16/fp16 output, M within the limits above); setting
 ``SCALEDMM_NVFP4_GEMV=0`` before this module is imported takes it out of the
 automatic list (``use_backend("nvfp4", "cuda_gemv")`` still reaches it).
 
@@ -57,9 +64,9 @@ ENV_ENABLE = "SCALEDMM_NVFP4_GEMV"  # "0": not in the automatic priority list
 SOURCE = "nvfp4_gemv.cu"
 KERNEL = "nvfp4_gemv"
 ARCH = "sm_90a"
-MAX_M = 16
 K_MULTIPLE = 32  # one 16-byte load = 32 codes of a row
-M_BUCKETS = (8, 16)
+M_BUCKETS = (8, 16, 32)
+MAX_M = {False: 32, True: 16}  # W4A4, W4A16: the measured break-even with the next backend (module docstring)
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 BIAS_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 ACT_CODES = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2}  # packed e2m1 (W4A4), W4A16 dtypes
@@ -86,13 +93,13 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
 
 def can_implement(p: Problem) -> tuple[bool, str]:
     """``nvfp4_mm`` (W4A4) or ``nvfp4_w4a16_mm`` with an fp16 / bf16 activation,
-    M <= 16, K % 32 == 0, bf16/fp16 output, activation rows 16-byte aligned
+    M <= 32 (W4A16: 16), K % 32 == 0, bf16/fp16 output, activation rows 16-byte aligned
     (any N)."""
     w4a16 = bool(p.opt("w4a16"))
     if w4a16 and p.in_dtype not in (torch.float16, torch.bfloat16):
         return False, f"W4A16 needs an fp16 or bf16 activation, got {p.in_dtype}"
-    if p.m > MAX_M:
-        return False, f"needs M <= {MAX_M}, got M={p.m}"
+    if p.m > MAX_M[w4a16]:
+        return False, f"needs M <= {MAX_M[w4a16]}{' (W4A16)' if w4a16 else ''}, got M={p.m}"
     if p.k % K_MULTIPLE != 0 or p.k <= 0:
         return False, f"needs K a positive multiple of {K_MULTIPLE}, got K={p.k}"
     if p.out_dtype not in OUT_DTYPES:
@@ -102,7 +109,7 @@ def can_implement(p: Problem) -> tuple[bool, str]:
         size = 2 if w4a16 else 0.5
         return False, (f"needs an activation row stride that is a multiple of 16 bytes, "
                        f"got {p.a_row_stride * size:g} bytes")
-    return True, "M <= 16, K % 32 == 0"
+    return True, f"M <= {MAX_M[w4a16]}, K % 32 == 0"
 
 
 # ----------------------------------------------------------------------------
@@ -133,12 +140,14 @@ class GemvConfig:
 
     def registers(self, m_bucket: int, w4a16: bool = False) -> int:
         """Estimated registers per thread (two batches of 16-byte loads and
-        scales, accumulators, the decoded activation), an upper bound of
-        ptxas' count (checked by the tests).  W4A16 holds four 16-byte
-        activation loads per unit instead of one and its scale."""
+        scales, accumulators, the decoded activation: a whole unit up to 16
+        rows, one word per fragment beyond, next to the decoded weight words),
+        an upper bound of ptxas' count (checked by the tests).  W4A16 holds
+        four 16-byte activation loads per unit instead of one and its scale."""
         nt, mf = self.rows // 16, m_bucket // 8
         x_regs = 16 if w4a16 else 5
-        return 2 * self.unroll * (2 * nt * 5 + mf * x_regs) + nt * mf * 4 + mf * 16 + 48
+        decoded = mf * 16 if mf <= 2 else nt * 8 + 4 + 2 * mf
+        return 2 * self.unroll * (2 * nt * 5 + mf * x_regs) + nt * mf * 4 + decoded + (56 if w4a16 else 48)
 
     def threads(self) -> int:
         return 32 * self.warps
@@ -164,6 +173,8 @@ def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int, w4a16: bool = F
         return False, f"expected a GemvConfig, got {type(cfg).__name__}"
     if m_bucket not in M_BUCKETS:
         return False, f"m_bucket must be one of {M_BUCKETS}, got {m_bucket}"
+    if m_bucket > MAX_M[bool(w4a16)]:
+        return False, f"m_bucket {m_bucket} is over the {'W4A16' if w4a16 else 'W4A4'} limit {MAX_M[bool(w4a16)]}"
     if n <= 0 or k <= 0 or k % K_MULTIPLE != 0:
         return False, f"needs N > 0 and K a positive multiple of {K_MULTIPLE}, got N={n}, K={k}"
     if cfg.rows not in (16, 32, 64):
@@ -186,7 +197,14 @@ def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int, w4a16: bool = F
 
 
 def m_bucket(m: int) -> int:
-    return 8 if m <= 8 else 16
+    """The M bucket (activation rows the kernel is compiled for) of ``m`` rows.
+
+    Examples
+    --------
+    >>> m_bucket(1), m_bucket(9), m_bucket(17)
+    (8, 16, 32)
+    """
+    return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
 G = GemvConfig
@@ -194,12 +212,16 @@ G = GemvConfig
 # L2, graph replay; us against bf16 F.linear in the same run).  M <= 8: few long
 # K streams per SM want 8 warps on 16-row tiles, many tiles 4 warps and, for
 # N = 28672, 32 rows.  M 9-16 decodes two activation fragments per unit: 32-row
-# tiles share them, and one unit per batch keeps the registers down.
+# tiles share them, and one unit per batch keeps the registers down.  M 17-32
+# (session 4, 16 configs per point at M = 32): 32-row tiles, 4 warps, split K
+# in two unless there are more than four tiles per SM (4096x4096: 8 warps
+# unsplit, 4% ahead of that rule).
 TUNING: dict[tuple[int, int], dict[int, GemvConfig]] = {
-    (6144, 4096): {8: G(16, 4, 1, 2), 16: G(32, 4, 2, 1)},    # M=1 7.8, M=16 9.8 (bf16 17.3 / 16.9)
-    (4096, 4096): {8: G(16, 8, 1, 2), 16: G(32, 8, 1, 2)},    # 5.7 / 7.2 (bf16 13.6 / 13.8)
-    (28672, 4096): {8: G(32, 4, 1, 2), 16: G(32, 4, 1, 1)},   # 24.5 / 31.5 (bf16 58.6 / 58.6)
-    (4096, 14336): {8: G(16, 8, 1, 2), 16: G(32, 8, 2, 1)},   # 15.1 / 18.1 (bf16 32.8 / 33.7)
+    # M=1 7.8, M=16 9.8, M=32 13.0 (bf16 17.3 / 16.9 / 17.0; Triton at M=32 27.3)
+    (6144, 4096): {8: G(16, 4, 1, 2), 16: G(32, 4, 2, 1), 32: G(32, 4, 2, 1)},
+    (4096, 4096): {8: G(16, 8, 1, 2), 16: G(32, 8, 1, 2), 32: G(32, 8, 1, 1)},    # 5.7 / 7.2 / 9.8 (13.6 / 13.8 / 13.9; 24.8)
+    (28672, 4096): {8: G(32, 4, 1, 2), 16: G(32, 4, 1, 1), 32: G(32, 4, 1, 1)},   # 24.5 / 31.5 / 46.7 (58.6 / 58.6 / 59.2; 97.3)
+    (4096, 14336): {8: G(16, 8, 1, 2), 16: G(32, 8, 2, 1), 32: G(32, 4, 2, 1)},   # 15.1 / 18.1 / 26.3 (32.8 / 33.7 / 34.7; 54.2)
 }
 # W4A16 (bf16 activation), H200 session 3 (device_nvfp4_gemv.py --part w4a16
 # --quick: 6 configs per point; us at M = 1 / 16, bf16 F.linear in the same run).
@@ -218,13 +240,22 @@ def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w
     split K over clusters until every SM has a CTA, 8 warps while there are at
     most two CTAs per SM (4 beyond), and the deepest register batch (<= 2
     units at M <= 8 in W4A4, 1 otherwise: a W4A16 unit holds 64 activation
-    bytes per thread) that still gives each warp two of them.
+    bytes per thread) that still gives each warp two of them.  The 32-row
+    bucket: 32-row tiles, 4 warps, K split in two up to four tiles per SM.
 
     Examples
     --------
     >>> default_config(4096, 4096, 8).short(), default_config(28672, 4096, 8).short()
     ('r16w8s1u2', 'r32w4s1u2')
+    >>> default_config(6144, 4096, 32).short(), default_config(28672, 4096, 32).short()
+    ('r32w4s2u1', 'r32w4s1u1')
     """
+    if m_bucket == 32:
+        split = 2 if -(-n // 32) <= 4 * num_sms and -(-k // 128) >= 8 else 1
+        for rows in (32, 16):
+            cfg = GemvConfig(rows, 4, split, 1)
+            if config_valid(cfg, n, k, m_bucket, w4a16)[0]:
+                return cfg
     rows = 16 if -(-n // 16) <= 4 * num_sms and m_bucket <= 8 else 32
     tiles = -(-n // rows)
     units = -(-k // 128)
@@ -313,12 +344,13 @@ def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: GemvCo
     ``a`` packed e2m1 with ``a_scales`` (W4A4) or an fp16 / bf16 activation
     (W4A16; ``a_scales`` is then not read).  Arguments must already be
     validated (``nvfp4.check_mm_args`` / ``check_w4a16_args``), with
-    1 <= M <= 16, K % 32 == 0, bf16/fp16 ``out`` and :func:`aligned` operands.
+    1 <= M <= 32 (W4A16: 16), K % 32 == 0, bf16/fp16 ``out`` and
+    :func:`aligned` operands.
     """
     m = a.shape[0]
     n, k = b.shape[0], 2 * b.shape[1]
-    mb = m_bucket(m)
     w4a16 = a.dtype != torch.uint8
+    mb = m_bucket(m)
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     cfg = cfg or choose_config(n, k, mb, num_sms(dev), w4a16)
     spec = kernel_spec(n, k, mb, cfg, out.dtype, None if bias is None else bias.dtype, a.dtype)
@@ -408,7 +440,8 @@ backends.register(Backend(
     impls={OP: gemv_mm, OP_W4A16: gemv_w4a16},
     is_supported=is_supported,
     can_implement=can_implement,
-    description=(f"NVRTC register-streaming FP4 decode + mma.sync, W4A4 and W4A16, M <= 16 (csrc/{SOURCE}); "
+    description=(f"NVRTC register-streaming FP4 decode + mma.sync, W4A4 M <= {MAX_M[False]}, W4A16 M <= "
+                 f"{MAX_M[True]} (csrc/{SOURCE}); "
                  f"first on sm90 unless {ENV_ENABLE}=0"),
 ))
 ENABLED = enabled_by_env()  # read once, at import
@@ -421,18 +454,19 @@ backends.set_priority(FAMILY, "sm90", sm90_priority(ENABLED))
 
 
 def prebuild_specs(value: str) -> list[jit.NvrtcKernelSpec]:
-    """Specs of both M buckets, both output dtypes, W4A4 and bf16 W4A16 (no
+    """Specs of every M bucket, both output dtypes, W4A4 and bf16 W4A16 (no
     bias) for each ``N:K``."""
     specs: dict[str, jit.NvrtcKernelSpec] = {}
     for n, k in jit.parse_shapes(value, "nvfp4-gemv"):
-        for mb in M_BUCKETS:
-            for dt in OUT_DTYPES:
-                for act in (torch.uint8, torch.bfloat16):  # W4A4, W4A16 with a bf16 activation
-                    cfg = choose_config(n, k, mb, w4a16=act != torch.uint8)
+        for act in (torch.uint8, torch.bfloat16):  # W4A4, W4A16 with a bf16 activation
+            w4a16 = act != torch.uint8
+            for mb in (b for b in M_BUCKETS if b <= MAX_M[w4a16]):
+                for dt in OUT_DTYPES:
+                    cfg = choose_config(n, k, mb, w4a16=w4a16)
                     spec = kernel_spec(n, k, mb, cfg, dt, None, act)
                     specs.setdefault(spec.key, spec)
     return list(specs.values())
 
 
 jit.register_prebuild("nvfp4-gemv", prebuild_specs,
-                      help="N:K[,N:K...] NVFP4 small-M kernels (both M buckets, bf16 and fp16 outputs, W4A4 and bf16 W4A16)")
+                      help="N:K[,N:K...] NVFP4 small-M kernels (every M bucket, bf16 and fp16 outputs, W4A4 and bf16 W4A16)")

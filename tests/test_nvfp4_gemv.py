@@ -3,8 +3,9 @@
 CPU: the decoder's bit tricks on a numpy emulator, NVRTC compiles of every
 instance the dispatch and the benchmark use (sm_90a, no GPU needed), the
 config predicate, the opt-in gating, argument checks.  GPU (skipped without
-CUDA): against the float64 reference at M in 1, 3, 8, 16, llama8b shapes and
-an odd N, bias and alpha, poisoned outputs, CUDA graphs, determinism."""
+CUDA): against the float64 reference at M in 1, 3, 8, 16, 17, 29, 32 (every M
+bucket), llama8b shapes and an odd N, bias and alpha, poisoned outputs,
+strided rows, CUDA graphs, determinism."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def _instances():
     for n, k in LLAMA8B:
         for mb in gv.M_BUCKETS:
             out[(n, k, mb, gv.choose_config(n, k, mb), BF16, None, U8)] = None
-            out[(n, k, mb, gv.choose_config(n, k, mb, w4a16=True), BF16, None, BF16)] = None
+            if mb <= gv.MAX_M[True]:
+                out[(n, k, mb, gv.choose_config(n, k, mb, w4a16=True), BF16, None, BF16)] = None
     out[(1040, 4096, 8, gv.choose_config(1040, 4096, 8), F16, torch.float32, U8)] = None
     out[(1000, 96, 16, gv.GemvConfig(16, 2, 1, 1), BF16, BF16, U8)] = None
     out[(1000, 96, 8, gv.GemvConfig(64, 1, 1, 1), F16, F16, U8)] = None
@@ -96,6 +98,8 @@ def _instances():
     out[(1040, 4096, 16, gv.choose_config(1040, 4096, 16, w4a16=True), F16, BF16, F16)] = None
     out[(1000, 96, 8, gv.GemvConfig(16, 2, 1, 1), BF16, torch.float32, BF16)] = None
     out[(4096, 4096, 8, gv.GemvConfig(16, 4, 1, 2), F16, None, F16)] = None
+    out[(1000, 96, 32, gv.GemvConfig(16, 2, 1, 1), F16, F16, U8)] = None  # wide path, partial rows, bias
+    out[(1040, 4096, 32, gv.GemvConfig(32, 4, 2, 1), BF16, torch.float32, U8)] = None
     return list(out)
 
 
@@ -156,6 +160,8 @@ def test_kernel_rejects_bad_defines():
     (gv.GemvConfig(), 64, 48, 8, "multiple of 32"),
     (gv.GemvConfig(), 0, 128, 8, "N > 0"),
     (gv.GemvConfig(), 64, 128, 4, "m_bucket"),
+    (gv.GemvConfig(16, 1, 1, 1), 64, 128, 64, "m_bucket"),
+    (gv.GemvConfig(32, 4, 1, 2), 64, 4096, 32, "registers"),
     (gv.GemvConfig(split_k=8), 64, 512, 8, "exceeds"),
     (gv.GemvConfig(64, 16, 1, 4), 64, 4096, 16, "registers"),
     ("r32", 64, 128, 8, "GemvConfig"),
@@ -165,14 +171,23 @@ def test_config_predicate_rejects(cfg, n, k, mb, why):
     assert not ok and why in reason
 
 
+def test_w4a16_bucket_limit_and_m_buckets():
+    ok, reason = gv.config_valid(gv.GemvConfig(16, 1, 1, 1), 64, 128, 32, w4a16=True)
+    assert not ok and "W4A16 limit 16" in reason
+    assert [gv.m_bucket(m) for m in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
+
+
 @pytest.mark.parametrize("n,k", LLAMA8B + [(1040, 4096), (16, 32), (5, 96)])
 @pytest.mark.parametrize("mb", gv.M_BUCKETS)
-def test_default_and_candidates_are_valid(n, k, mb):
-    cfgs = gv.candidate_configs(n, k, mb)
-    assert cfgs[0] == gv.choose_config(n, k, mb)
+@pytest.mark.parametrize("w4a16", [False, True])
+def test_default_and_candidates_are_valid(n, k, mb, w4a16):
+    if mb > gv.MAX_M[w4a16]:
+        return
+    cfgs = gv.candidate_configs(n, k, mb, w4a16=w4a16)
+    assert cfgs[0] == gv.choose_config(n, k, mb, w4a16=w4a16)
     assert len(cfgs) == len(set(cfgs)) >= 1
     for cfg in cfgs:
-        assert gv.config_valid(cfg, n, k, mb) == (True, "ok"), cfg
+        assert gv.config_valid(cfg, n, k, mb, w4a16) == (True, "ok"), cfg
     cfg = cfgs[0]
     assert cfg.grid(n)[0] * cfg.rows >= n
 
@@ -188,7 +203,8 @@ def test_kernel_spec_validates():
 
 def test_prebuild_hook():
     specs = gv.prebuild_specs("4096:4096, 1040:4096")
-    assert len({s.key for s in specs}) == len(specs) == 16  # 2 shapes x 2 buckets x 2 outputs x W4A4/W4A16
+    # 2 shapes x 2 outputs x (3 W4A4 buckets + 2 W4A16 buckets)
+    assert len({s.key for s in specs}) == len(specs) == 20
     with pytest.raises(ValueError, match="--nvfp4-gemv"):
         gv.prebuild_specs("4096x4096")
 
@@ -233,11 +249,12 @@ def test_registered_and_first_on_sm90_by_default(fake_sm90):
 def test_env_gate_puts_it_first_for_small_m(fake_sm90):
     backends.set_priority("nvfp4", "sm90", gv.sm90_priority(True))
     assert backends.priority("nvfp4", torch.device("cuda", 0))[0] == gv.NAME
-    for m in (1, 3, 8, 16):
+    for m in (1, 3, 8, 16, 17, 32):
         assert backends.select(_problem(m), "nvfp4_mm").name == gv.NAME
-    assert backends.select(_problem(17), "nvfp4_mm").name != gv.NAME
+    assert backends.select(_problem(33), "nvfp4_mm").name != gv.NAME
     assert backends.select(_problem(4, out_dtype=torch.float32), "nvfp4_mm").name != gv.NAME
     assert backends.select(_problem(4, w4a16=True), "nvfp4_w4a16_mm").name == gv.NAME
+    assert backends.select(_problem(16, w4a16=True), "nvfp4_w4a16_mm").name == gv.NAME
     assert backends.select(_problem(17, w4a16=True), "nvfp4_w4a16_mm").name != gv.NAME
     assert gv.sm90_priority(True).count(gv.NAME) == 1
 
@@ -254,12 +271,12 @@ def test_env_var_is_read(monkeypatch):
 
 
 @pytest.mark.parametrize("p,why", [
-    (_problem(17), "M <= 16"),
+    (_problem(33), "M <= 32"),
     (_problem(4, k=48), "multiple of 32"),
     (_problem(4, out_dtype=torch.float32), "bf16 or fp16"),
     (_problem(4, w4a16=True, act=torch.float32), "fp16 or bf16 activation"),
     (_problem(4, w4a16=True, stride=4096 + 4), "16 bytes"),
-    (_problem(17, w4a16=True), "M <= 16"),
+    (_problem(17, w4a16=True), "M <= 16 (W4A16)"),
     (_problem(4, stride=4096 + 16), "16 bytes"),
 ])
 def test_can_implement_says_why(p, why):
@@ -320,7 +337,7 @@ def _run(qa, sa, qb, sb, alpha, out_dtype=torch.bfloat16, bias=None, cfg=None):
 
 
 @requires_sm90
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 29, 32])
 @pytest.mark.parametrize("n,k", LLAMA8B + [(1040, 4096), (200, 96)])
 def test_gpu_matches_f64(m, n, k):
     qa, sa, qb, sb, alpha = _operands(m, n, k)
@@ -372,6 +389,24 @@ def test_gpu_nan_scale_propagates_to_its_row():
     sa = nv.swizzle_block_scales(s)
     out = _run(qa, sa, qb, sb, alpha)
     assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+
+
+@requires_sm90
+def test_gpu_wide_bucket_strided_rows_and_nan_row():
+    """M = 29 (the 32-row bucket, partial last fragment), rows read through
+    a stride; a NaN scale in row 20 (third activation fragment) reaches that
+    row only."""
+    m, n, k = 29, 1040, 1024
+    qa, sa, qb, sb, alpha = _operands(m, n, k)
+    s = nv.unswizzle_block_scales(sa, m, k // 16)
+    s.view(torch.uint8)[20, 5] = 0x7F  # e4m3 NaN
+    sa_nan = nv.swizzle_block_scales(s)
+    wide = torch.zeros(m, k // 2 + 48, dtype=torch.uint8, device="cuda")
+    wide[:, 32:32 + k // 2] = qa
+    out = _run(wide[:, 32:32 + k // 2], sa_nan, qb, sb, alpha)  # row stride 560 bytes
+    assert torch.isnan(out[20]).all()
+    rows = [r for r in range(m) if r != 20]
+    _check(out[rows], qa[rows], nv.swizzle_block_scales(s[rows]), qb, sb, alpha)
 
 
 @requires_sm90
