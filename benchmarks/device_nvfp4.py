@@ -4,6 +4,7 @@ repository root::
 
     python benchmarks/device_nvfp4.py            # < 2 min on one H200
     python benchmarks/device_nvfp4.py --quick    # fewer configs
+    python benchmarks/device_nvfp4.py --ms 48,64 --table-only   # one M bucket's sweep
     TRITON_INTERPRET=1 python benchmarks/device_nvfp4.py --smoke   # CPU dry run of the script
 
 Stages (each guarded: a failure is printed and the rest still runs):
@@ -85,6 +86,11 @@ def candidates(bucket: int, quick: bool):
     if bucket == 0:
         base = [G(64, 16, 128, num_warps=4, num_stages=4), G(64, 16, 256, num_warps=4, num_stages=4),
                 G(128, 16, 128, num_warps=8, num_stages=3), G(64, 16, 128, num_warps=4, num_stages=3)]
+    elif bucket == 1:  # 17-64: never swept before session 4
+        base = [G(64, 64, 128, num_warps=4, num_stages=4), G(128, 64, 64, num_warps=8, num_stages=3),
+                G(128, 64, 128, num_warps=8, num_stages=3), G(64, 64, 256, num_warps=4, num_stages=3),
+                G(128, 64, 128, num_warps=4, num_stages=4), G(256, 64, 64, num_warps=8, num_stages=3),
+                G(64, 32, 128, num_warps=4, num_stages=4), G(32, 64, 256, num_warps=4, num_stages=4)]
     elif bucket == 2:
         base = [G(128, 128, 64, num_warps=8, num_stages=3), G(64, 64, 128, num_warps=4, num_stages=4),
                 G(128, 64, 128, num_warps=4, num_stages=4)]
@@ -100,6 +106,10 @@ def candidates(bucket: int, quick: bool):
         out.append(("w4a16", cfg, "auto"))
         if i == 0:
             out.append(("w4a16", dataclasses.replace(cfg, decode="ptx_direct"), "auto"))
+            if bucket == 1:
+                out += [("mm", cfg, "x2"), ("mm", cfg, "half"), ("mm", cfg, "none"),
+                        ("mm", dataclasses.replace(cfg, predecode_x=True), "auto"),
+                        ("mm", dataclasses.replace(cfg, decode="ptx_direct"), "auto")]
             if bucket == 0:
                 out.append(("mm", cfg, "x2"))
                 out.append(("mm", cfg, "half"))
@@ -489,6 +499,8 @@ def main():
     ap.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--smoke", action="store_true",
                     help="CPU dry run of the script under TRITON_INTERPRET=1 (tiny shapes)")
+    ap.add_argument("--ms", default=None, help="comma-separated M values of the table (default 1,4,16,128,1024,4096)")
+    ap.add_argument("--table-only", action="store_true", help="skip the correctness and quantizer stages")
     args = ap.parse_args()
     import torch
 
@@ -502,14 +514,17 @@ def main():
     elif not torch.cuda.is_available():
         print("needs a CUDA device (or --smoke with TRITON_INTERPRET=1)")
         return 1
+    if args.ms:
+        TABLE_M = tuple(int(v) for v in args.ms.split(","))
     import scaledmm  # noqa: F401  (registers the ops)
 
     res = {}
     environment(res)
     if not args.smoke:
         compile_all(args.quick, args.workers)
-    correctness(res)
-    quant_bandwidth(res)
+    if not args.table_only:
+        correctness(res)
+        quant_bandwidth(res)
     gemm_table(res, args.quick)
     out = os.environ.get("OUT")
     if out:

@@ -462,7 +462,15 @@ def default_config(p: Problem) -> GemmConfig:
     cfg = _portable(DEFAULT_CONFIGS[m_bucket(p.m)], p)
     if cfg.predecode_w and not config_ok(cfg, p)[0]:  # fp32 output: the kernel
         cfg = dataclasses.replace(cfg, predecode_w=False)
-    cfg = dataclasses.replace(cfg, split_k=_split_for(cfg, p.m, p.n, p.k, p.device))
+    split = _split_for(cfg, p.m, p.n, p.k, p.device)
+    if m_bucket(p.m) == 1 and not p.opt("w4a16"):
+        # H200, session 4 (device_nvfp4.py --ms 48,64, llama8b): half the split
+        # (>= 2) is 10-20 % faster at M 33-64, and with >= 2 weight tiles per
+        # SM decoding the activation once (predecode_x) another 13 %
+        split = split // 2 if split >= 4 else split
+        if -(-p.n // cfg.block_n) >= 2 * _sm_count(p.device):
+            cfg = dataclasses.replace(cfg, predecode_x=True)
+    cfg = dataclasses.replace(cfg, split_k=split)
     ok, why = config_ok(cfg, p)
     if not ok:  # keep dispatch total: fall back to the smallest config
         cfg = _portable(DEFAULT_CONFIGS[0], p)

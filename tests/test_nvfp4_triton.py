@@ -449,6 +449,20 @@ def test_split_fills_the_sms():
         (p.k // cfg.block_k) // (2 * cfg.split_k) < nt.MIN_STEPS_PER_SPLIT
 
 
+def test_mid_m_defaults_follow_the_measured_rule(monkeypatch):
+    monkeypatch.setattr(nt, "_sm_count", lambda device: 132)
+    for n, k, split, pre in ((6144, 4096, 4, False), (4096, 4096, 8, False), (28672, 4096, 2, True),
+                             (4096, 14336, 8, False)):
+        cfg = nt.default_config(_problem(64, n, k))
+        auto = nt._split_for(cfg, 64, n, k, torch.device("cpu"))
+        assert (cfg.split_k, cfg.predecode_x) == (split, pre), (n, cfg)
+        assert auto in (2 * split, split)
+        assert nt.config_ok(cfg, _problem(64, n, k))[0]
+    w16 = nt.default_config(_problem(64, 6144, 4096, w4a16=True))  # W4A16: the plain rule
+    assert w16.split_k == nt._split_for(w16, 64, 6144, 4096, torch.device("cpu")) and not w16.predecode_x
+    assert nt.default_config(_problem(16, 6144, 4096)).split_k == 8  # other buckets unchanged
+
+
 def test_quant_configs():
     assert nt.quant_config_ok(nt.DEFAULT_QUANT)[0]
     assert all(nt.quant_config_ok(c)[0] for c in nt.QUANT_CANDIDATES + tuple(QCFGS + QCFGS_STEPS))
