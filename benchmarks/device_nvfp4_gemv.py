@@ -10,7 +10,9 @@ medians), and a config sweep printing the best config per point.
 kernel vs the Triton W4A16 kernel vs bf16 ``F.linear``, a short sweep).
 ``--ms`` picks the M values (default 1,4,16); at M >= 64 the exact
 ``decode_cublas`` backend is timed too (its M >= 128 gate bypassed), the
-break-even that sets ``MAX_M``.  ``--sweep`` caps the configs per point.
+break-even that sets ``MAX_M``.  ``--sweep`` caps the configs per point;
+``--act fp16`` runs the W4A16 part with an fp16 activation (no bf16
+conversion of the decoded weight: what that conversion costs).
 
 Prints a compact table; with ``$OUT`` set, writes ``nvfp4_gemv.json`` there.
 Budget: about 2 minutes on the H200 (40 configs per shape at M = 1 and 16; --quick: 8).
@@ -69,11 +71,12 @@ def main() -> None:
     ap.add_argument("--part", choices=("w4a4", "w4a16", "all"), default="w4a4")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
     ap.add_argument("--sweep", type=int, default=None, help="configs per point (default 40, --quick 8)")
+    ap.add_argument("--act", choices=("bf16", "fp16"), default="bf16", help="W4A16 activation dtype")
     args = ap.parse_args()
     ms = tuple(int(v) for v in args.ms.split(","))
     sweep_n = args.sweep if args.sweep is not None else 8 if args.quick else 40
     if args.part in ("w4a16", "all"):
-        w4a16_part(args.quick, ms, args.sweep)
+        w4a16_part(args.quick, ms, args.sweep, torch.float16 if args.act == "fp16" else torch.bfloat16)
     if args.part == "w4a16":
         return
     dev = torch.device("cuda")
@@ -139,8 +142,9 @@ def report(rows: list[dict], label: str, fails: int, t_start: float, fname: str)
         Path(os.environ["OUT"], fname).write_text(json.dumps(rows, indent=1))
 
 
-def w4a16_part(quick: bool, ms: tuple[int, ...] = MS, sweep_n: int | None = None) -> None:
-    """W4A16 (bf16 activation): correctness, the kernel vs Triton vs bf16."""
+def w4a16_part(quick: bool, ms: tuple[int, ...] = MS, sweep_n: int | None = None,
+               act: torch.dtype = torch.bfloat16) -> None:
+    """W4A16 (``act`` activation): correctness, the kernel vs Triton vs bf16."""
     dev = torch.device("cuda")
     cfg_t = timing.TimingConfig.for_device(dev, quick=True)
     t_start, rows, fails = time.time(), [], 0
@@ -156,8 +160,8 @@ def w4a16_part(quick: bool, ms: tuple[int, ...] = MS, sweep_n: int | None = None
             ws.append((qb, sb, (1.0 / gs_w).float() * one))
         wbf = [(torch.randn(n, k, device=dev) / k ** 0.5).to(torch.bfloat16) for _ in range(bf_copies)]
         for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            mb = gv.m_bucket(m, w4a16=True)
+            x = torch.randn(m, k, device=dev, dtype=act)
+            mb = gv.m_bucket(m)
             qb, sb, wa = ws[0]
             out = gv.gemv_w4a16(x, qb, sb, wa)
             ref = x.double() @ nv.dequantize(qb, sb).double().t() * wa.double()
@@ -172,7 +176,8 @@ def w4a16_part(quick: bool, ms: tuple[int, ...] = MS, sweep_n: int | None = None
             us_new = t(lambda c: lambda: gv.gemv_w4a16(x, c[0], c[1], c[2]), ws)
             us_tri = t(lambda c: lambda: tr.w4a16_mm(x, c[0], c[1], c[2]), ws)
             us_dc = t(lambda c: lambda: dc.w4a16_mm(x, c[0], c[1], c[2]), ws) if m >= 64 else float("nan")
-            us_bf = t(lambda w: lambda: F.linear(x, w), wbf)
+            xb = x.to(torch.bfloat16)
+            us_bf = t(lambda w: lambda: F.linear(xb, w), wbf)
             sweep = []
             budget = 0 if m == 4 else sweep_n if sweep_n is not None else 6 if quick else 16
             for cfg in gv.candidate_configs(n, k, mb, w4a16=True)[:budget]:
