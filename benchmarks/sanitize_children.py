@@ -344,10 +344,11 @@ def case_nvfp4_w4a16(ctx: Ctx):
 GEMV_MNK = (5, 200, 736)  # M <= 16, K % 32 == 0 with a partial 128-k unit
 
 
-def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, m: int | None = None):
-    """cuda_gemv (csrc/nvfp4_gemv.cu) through the op: W4A4 at M = 5 (or ``m``:
-    29 is the 32-row bucket, read through a row stride), or
-    W4A16 with a strided bf16 activation at M = 9 (two activation fragments)."""
+def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, rows: int | None = None, backend: str = "cuda_gemv"):
+    """cuda_gemv (csrc/nvfp4_gemv.cu) through the op: W4A4 at M = 5 (or
+    ``rows``, read through a row stride: 29 is the 32-row bucket), or W4A16
+    with a strided bf16 activation at M = 9 (two activation fragments).
+    ``backend="cuda_mid"`` runs csrc/nvfp4_mid.cu the same way."""
     import torch
 
     import scaledmm
@@ -357,23 +358,23 @@ def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, m: int | None = None):
     _, qb, sb, gb = _nvfp4_quantized(ctx, n, k)
     qb_d, sb_d = qb.to(ctx.dev), sb.to(ctx.dev)
     if w4a16:
-        m = 9
+        m = rows or 9
         x = ctx.randn(m, k, dtype=torch.bfloat16)
         walpha = (1.0 / gb).float()
         x_d, wa_d = ctx.strided(x), walpha.to(ctx.dev)
-        need_backend("nvfp4", "cuda_gemv", nv.w4a16_problem(x_d, qb_d, torch.bfloat16, None))
-        with scaledmm.use_backend("nvfp4", "cuda_gemv"):
+        need_backend("nvfp4", backend, nv.w4a16_problem(x_d, qb_d, torch.bfloat16, None))
+        with scaledmm.use_backend("nvfp4", backend):
             first, out = ctx.twice(lambda: torch.ops.scaledmm.nvfp4_w4a16_mm(x_d, qb_d, sb_d, wa_d))
         ref = x.double() @ nv.dequantize(qb, sb).double().t() * float(walpha)
         return close(out, ref, 1e-2, first)
-    m = m or GEMV_MNK[0]
+    m = rows or m
     _, qa, sa, ga = _nvfp4_quantized(ctx, m, k)
     alpha = (1.0 / (ga * gb)).float()
     d = [t.to(ctx.dev) for t in (qa, qb, sa, sb, alpha)]
-    if m > 16:
+    if rows:
         d[0] = ctx.strided(qa)
-    need_backend("nvfp4", "cuda_gemv", nv.mm_problem(d[0], d[1], torch.bfloat16, None))
-    with scaledmm.use_backend("nvfp4", "cuda_gemv"):
+    need_backend("nvfp4", backend, nv.mm_problem(d[0], d[1], torch.bfloat16, None))
+    with scaledmm.use_backend("nvfp4", backend):
         first, out = ctx.twice(lambda: torch.ops.scaledmm.nvfp4_mm(*d))
     ref = (nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t()) * float(alpha)
     return close(out, ref, 1e-2, first)
@@ -516,6 +517,8 @@ CHILD_CASES = {
     "nvfp4_gemv_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False),
     "nvfp4_gemv_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True),
     "nvfp4_gemv_wide": lambda ctx: case_nvfp4_gemv(ctx, False, 29),
+    "nvfp4_mid_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False, 150, "cuda_mid"),
+    "nvfp4_mid_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True, 40, "cuda_mid"),
     "nvfp4_decode_cublas": case_nvfp4_decode_cublas,
     "fp8_tri_quant": case_fp8_quant,
     "skinny_v1": lambda ctx: case_skinny(ctx, "reg"),

@@ -85,11 +85,12 @@
 #define G_ACT 0
 #endif
 
-#include "fused_a_ptx.cuh"
+#include "nvfp4_decode.cuh"
 
 namespace gv {
 
 using namespace fa_ptx;
+using namespace nvfp4_dec;
 
 constexpr int N = G_N;
 constexpr int K = G_K;
@@ -123,68 +124,6 @@ static_assert(U >= 1 && U <= 4, "G_UNROLL must be 1..4");
 static_assert(ACT >= 0 && ACT <= 2, "G_ACT must be 0 (e2m1), 1 (fp16) or 2 (bf16)");
 static_assert(WARPS * TILE * 4 <= 48 * 1024, "reduction buffer exceeds 48 KiB of static shared memory");
 
-// -- PTX helpers ---------------------------------------------------------------
-
-__device__ __forceinline__ V4 load_weight(const unsigned char* p) {
-  V4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3])
-               : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ V4 load_act(const unsigned char* p) {
-  V4 r;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3])
-               : "l"(p));
-  return r;
-}
-
-// Two e4m3 scales (blocks 2t and 2t + 1 of a unit) as the low 16 bits.
-__device__ __forceinline__ u32 load_scale2(const unsigned char* p) {
-  u16 h;
-  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(h) : "l"(p));
-  return h;
-}
-
-__device__ __forceinline__ V4 zero4() {
-  V4 r;
-  r.v[0] = r.v[1] = r.v[2] = r.v[3] = 0u;
-  return r;
-}
-
-// fp16x2 [s1 : s0] of two e4m3 bytes (exact; 0x7F / 0xFF give NaN).
-__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
-  u32 d;
-  u16 h = (u16)two;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(h));
-  return d;
-}
-
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-  u32 d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-__device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// fp16x2 -> bf16x2, exact for the decoded weights (<= 7 significant bits, >= 2^-24).
-__device__ __forceinline__ u32 f16x2_to_bf16x2(u32 h2) {
-  float lo, hi;
-  asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
-      : "=f"(lo), "=f"(hi) : "r"(h2));
-  u32 d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-
 // The MMA of this instantiation: f16 (W4A4, fp16 activation) or bf16 operands.
 __device__ __forceinline__ void mma_act(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   if (ACT == 2) {
@@ -192,53 +131,6 @@ __device__ __forceinline__ void mma_act(float (&d)[4], u32 a0, u32 a1, u32 a2, u
   } else {
     mma_f16(d, a0, a1, a2, a3, b0, b1);
   }
-}
-
-__device__ __forceinline__ u16 to_f16(float f) {
-  u16 h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-}
-
-__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float((u32)h << 16); }
-
-__device__ __forceinline__ float f16_to_f32(u16 h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-
-// 8 codes (nibble j = k offset j of the word) -> 4 fp16x2 registers times the
-// scale pair s2 = [s : s]: r[j] = {lo: code j, hi: code j + 4} * s * 2^-14.
-// The magnitude of code j must land at bits 9..11 (shift 9 - 4j) and its sign
-// at bit 15 (shift 12 - 4j).  xe / xo park each sign 6 bits above its
-// magnitude (bits 4j + 6, taken from rotl(w, 3)) so one shift places both;
-// code 7's sign wraps to bit 2 and the last register uses a rotate.
-// (a & ~mask) | (b & mask) in one lop3 (ptxas splits the C form into two).
-template <u32 MASK>
-__device__ __forceinline__ u32 select_bits(u32 a, u32 b) {
-  u32 d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xB8;" : "=r"(d) : "r"(a), "n"(MASK), "r"(b));
-  return d;
-}
-
-constexpr u32 F16_FIELDS = 0x8E008E00u;  // sign + 3 magnitude bits of both halves
-
-__device__ __forceinline__ void decode8(u32 w, u32 s2, u32* r) {
-  const u32 rot = __funnelshift_l(w, w, 3);
-  const u32 xe = select_bits<0x40404040u>(w, rot);  // codes 0, 2, 4, 6
-  const u32 xo = select_bits<0x04040404u>(w, rot);  // codes 1, 3, 5, 7
-  r[0] = hmul2((xe << 9) & F16_FIELDS, s2);
-  r[1] = hmul2((xo << 5) & F16_FIELDS, s2);
-  r[2] = hmul2((xe << 1) & F16_FIELDS, s2);
-  r[3] = hmul2(__funnelshift_r(xo, xo, 3) & F16_FIELDS, s2);
-}
-
-// [s : s] pairs of a unit's two blocks: words 0-1 of a chunk use the low scale.
-__device__ __forceinline__ void scale_pairs(u32 two, u32& lo, u32& hi) {
-  const u32 d = e4m3x2_to_f16x2(two);
-  lo = __byte_perm(d, 0, 0x1010);
-  hi = __byte_perm(d, 0, 0x3232);
 }
 
 // -- one warp's register batch: U units x (NT tiles x 2 row halves) of b, U x MF of a
@@ -392,9 +284,7 @@ __device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& 
 }
 
 // Byte offset of scale column 8 * unit0 + 2 t (unit 0) of row r in the swizzled layout.
-__device__ __forceinline__ long long scale_offset(int r, int t4) {
-  return ((long long)(r >> 7) * SCALE_C4 + (t4 >> 1)) * 512 + (r & 31) * 16 + ((r & 127) >> 5) * 4 + 2 * (t4 & 1);
-}
+__device__ __forceinline__ long long scale_offset(int r, int t4) { return nvfp4_dec::scale_offset(r, t4, SCALE_C4); }
 
 // alpha * 2^28 * acc (+ bias), one rounding to the output type.
 __device__ __forceinline__ void store_out(u16* out, const void* bias, float alpha, int mm, int n, float s) {

@@ -15,7 +15,7 @@ log = logging.getLogger("scaledmm")
 # dependency (triton, cuda-python) is missing, or that fails to load, leaves
 # its family with the other backends; `scaledmm.backends.report()` and
 # `BACKEND_LOAD_ERRORS` say why.
-BACKEND_MODULES = ("fp8_block_triton", "fp8_block_cutlass", "nvfp4_triton", "nvfp4_gemv", "nvfp4_cublas", "skinny_fused_a", "fp8_triton_quant")
+BACKEND_MODULES = ("fp8_block_triton", "fp8_block_cutlass", "nvfp4_triton", "nvfp4_gemv", "nvfp4_cublas", "nvfp4_mid", "skinny_fused_a", "fp8_triton_quant")
 BACKEND_LOAD_ERRORS: dict[str, str] = {}
 
 for _mod in BACKEND_MODULES:

@@ -361,7 +361,7 @@ def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: GemvCo
     return out
 
 
-def _fallback(op: str, problem: Problem, *args):
+def fallback(op: str, problem: Problem, *args):
     """The next backend that can run a call this kernel cannot take (operands
     not 16-byte aligned: a view at an odd offset)."""
     for name in ("triton", "reference"):
@@ -392,7 +392,7 @@ def gemv_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None
     if a.shape[0] == 0 or b.shape[0] == 0:
         return out
     if not aligned(a, b):
-        return _fallback(OP, nv.mm_problem(a, b, out_dtype, bias), a, b, a_scales, b_scales, alpha, out_dtype, bias)
+        return fallback(OP, nv.mm_problem(a, b, out_dtype, bias), a, b, a_scales, b_scales, alpha, out_dtype, bias)
     return launch(a, b, a_scales, b_scales, alpha, bias, out, cfg)
 
 
@@ -414,7 +414,7 @@ def gemv_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None
     if x.shape[0] == 0 or b.shape[0] == 0:
         return out
     if not aligned(x, b):
-        return _fallback(OP_W4A16, nv.w4a16_problem(x, b, out_dtype, bias), x, b, b_scales, weight_alpha,
+        return fallback(OP_W4A16, nv.w4a16_problem(x, b, out_dtype, bias), x, b, b_scales, weight_alpha,
                          out_dtype, bias)
     return launch(x, b, b_scales, b_scales, weight_alpha, bias, out, cfg)
 

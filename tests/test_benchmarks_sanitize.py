@@ -46,8 +46,9 @@ def test_jobs_per_case_and_order():
         want = list(ds.CSRC_TOOLS) if c.csrc else ["memcheck"] + (["racecheck"] if c.name == ds.RACECHECK_INFO_CASE
                                                                    else [])
         assert sorted(by_case[c.name]) == sorted(want), c.name
-    assert {c.name for c in ds.CASES if c.csrc} == ({"skinny_v1", "skinny_v2", "nvfp4_gemv_w4a4", "nvfp4_gemv_w4a16", "nvfp4_gemv_wide"}
-                                                     | set(ds.CUTLASS_CONFIGS))
+    csrc_cases = {"skinny_v1", "skinny_v2", "nvfp4_gemv_w4a4", "nvfp4_gemv_w4a16", "nvfp4_gemv_wide",
+                  "nvfp4_mid_w4a4", "nvfp4_mid_w4a16"}
+    assert {c.name for c in ds.CASES if c.csrc} == csrc_cases | set(ds.CUTLASS_CONFIGS)
     assert all(name in ds.CHILD_CASES for name in ds.CUTLASS_CONFIGS)
     info = [j.info for j in jobs]
     assert info == sorted(info), "required jobs start before informational ones"

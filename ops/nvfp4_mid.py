@@ -1,0 +1,392 @@
+"""Backend ``cuda_mid`` of the ``nvfp4`` family: our CUDA kernel for W4A4
+``nvfp4_mm`` and W4A16 ``nvfp4_w4a16_mm`` at middle M (tens to ~a hundred
+activation rows) on Hopper, ``csrc/nvfp4_mid.cu``, compiled at run time with
+NVRTC for the (N, K, config, M bucket, output / bias dtype) it meets, cached
+on disk (``scaledmm.jit``), launched on torch's current stream.
+
+Between the small-M kernel (``cuda_gemv``, register streaming: every CTA
+decodes the activation for its few weight rows, which stops paying past ~32
+rows) and the two-pass ``decode_cublas`` (a full weight decode per call): the
+warps of a CTA split its 128-256 weight rows, each streams and decodes its
+own weight once in registers (the GEMV's exact fp16 decode), and the
+activation of each 128-wide K step is decoded once per CTA into shared memory,
+from where every warp feeds ``mma.sync m16n8k16`` (fp32 accumulation, exact
+products, one rounding).  Split K over the CTAs of a cluster (DSMEM, rank
+order): deterministic, no workspace, CUDA-graph safe.  M beyond the bucket
+runs row slices (grid z).  See the .cu file's header.
+
+Read top to bottom: capability checks, the config space (frozen dataclass,
+one validity predicate :func:`config_valid`, :func:`choose_config`), the
+launcher, backend registration (after ``cuda_gemv`` on sm90 unless
+``SCALEDMM_NVFP4_MID=0``), the pre-build hook.
+
+Examples
+--------
+>>> from scaledmm.ops import nvfp4_mid as md
+>>> cfg = md.choose_config(4096, 4096, 64)
+>>> md.config_valid(cfg, 4096, 4096, 64)
+(True, 'ok')
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from scaledmm import backends, jit
+from scaledmm.backends import Backend, Family, Problem
+from scaledmm.ops import nvfp4 as nv
+from scaledmm.ops import nvfp4_gemv as gv
+
+FAMILY = Family.NVFP4
+NAME = "cuda_mid"
+OP = "nvfp4_mm"
+OP_W4A16 = "nvfp4_w4a16_mm"
+ENV_ENABLE = "SCALEDMM_NVFP4_MID"  # "0": not in the automatic priority list
+SOURCE = "nvfp4_mid.cu"
+KERNEL = "nvfp4_mid"
+ARCH = "sm_90a"
+K_MULTIPLE = 32
+M_BUCKETS = (32, 64, 128)
+MAX_M = 128  # beyond: decode_cublas (measured, see TUNING)
+OUT_DTYPES = gv.OUT_DTYPES
+MAX_REGS = 255
+REGS_PER_SM = 65536
+SMEM_MAX = 227 * 1024
+NUM_SMS_H200 = 132
+
+# ----------------------------------------------------------------------------
+# Capability checks
+# ----------------------------------------------------------------------------
+
+
+def _source() -> Path:
+    return jit._package_csrc() / SOURCE
+
+
+def is_supported(device: torch.device) -> tuple[bool, str]:
+    """An sm90 GPU with NVRTC and the CUDA driver bindings (clusters, sm_90a)."""
+    ok, why = jit.sm90a_gate(device)
+    return (True, f"NVRTC-compiled shared-activation mma.sync kernel ({why})") if ok else (False, why)
+
+
+def can_implement(p: Problem) -> tuple[bool, str]:
+    """``nvfp4_mm`` or ``nvfp4_w4a16_mm`` (fp16 / bf16 activation), M <= 128,
+    K % 32 == 0, bf16/fp16 output, activation rows 16-byte aligned."""
+    w4a16 = bool(p.opt("w4a16"))
+    if w4a16 and p.in_dtype not in (torch.float16, torch.bfloat16):
+        return False, f"W4A16 needs an fp16 or bf16 activation, got {p.in_dtype}"
+    if p.m > MAX_M:
+        return False, f"needs M <= {MAX_M}, got M={p.m}"
+    if p.k % K_MULTIPLE != 0 or p.k <= 0:
+        return False, f"needs K a positive multiple of {K_MULTIPLE}, got K={p.k}"
+    if p.out_dtype not in OUT_DTYPES:
+        return False, f"writes bf16 or fp16, got out_dtype={p.out_dtype}"
+    per_16_bytes = 8 if w4a16 else K_MULTIPLE
+    if p.m > 1 and p.a_row_stride % per_16_bytes != 0:
+        size = 2 if w4a16 else 0.5
+        return False, (f"needs an activation row stride that is a multiple of 16 bytes, "
+                       f"got {p.a_row_stride * size:g} bytes")
+    return True, f"M <= {MAX_M}, K % 32 == 0"
+
+
+# ----------------------------------------------------------------------------
+# Config space
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MidConfig:
+    """Compile-time configuration of ``nvfp4_mid``.
+
+    Parameters
+    ----------
+    warps : int
+        Warps per CTA (4 or 8); they split the CTA's weight rows.
+    tiles : int
+        16-row weight tiles per warp (1 or 2); the CTA owns ``16 * warps * tiles`` rows.
+    split_k : int
+        CTAs per cluster splitting K (1, 2, 4, 8).
+    unroll : int
+        128-wide K units per pipeline step (1 or 2).
+    """
+
+    warps: int = 8
+    tiles: int = 2
+    split_k: int = 1
+    unroll: int = 1
+
+    def rows(self) -> int:
+        return 16 * self.warps * self.tiles
+
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def registers(self, m_bucket: int, w4a16: bool = False) -> int:
+        """Estimated registers per thread (accumulators, two weight batches,
+        the activation items in flight, decoded words, addresses), an upper
+        bound of ptxas' count (checked by the tests)."""
+        mf = m_bucket // 8
+        items = -(-(self.unroll * m_bucket * 4) // self.threads())
+        x_regs = 16 if w4a16 else 5
+        return (self.tiles * mf * 4 + 2 * self.unroll * self.tiles * 2 * 5 + items * (x_regs + 16)
+                + self.tiles * 8 * (2 if w4a16 else 1) + 80)
+
+    def smem_bytes(self, m_bucket: int) -> int:
+        """Dynamic shared memory: two activation stages, or the fp32 tile."""
+        return max(2 * self.unroll * m_bucket * 256, m_bucket * (self.rows() + 4) * 4)
+
+    def grid(self, n: int, m: int, m_bucket: int) -> tuple[int, int, int]:
+        """(weight tiles, split_k, row slices)."""
+        return (-(-n // self.rows()), self.split_k, max(1, -(-m // m_bucket)))
+
+    def defines(self, n: int, k: int, m_bucket: int, out_dtype: torch.dtype,
+                bias_dtype: torch.dtype | None, act_dtype: torch.dtype = torch.uint8) -> dict[str, int]:
+        return {"P_N": n, "P_K": k, "P_WARPS": self.warps, "P_NTW": self.tiles, "P_SPLIT": self.split_k,
+                "P_UNROLL": self.unroll, "P_MB": m_bucket, "P_OUT_F16": int(out_dtype == torch.float16),
+                "P_BIAS": gv.BIAS_CODES[bias_dtype], "P_ACT": gv.ACT_CODES[act_dtype]}
+
+    def short(self) -> str:
+        return f"w{self.warps}t{self.tiles}s{self.split_k}u{self.unroll}"
+
+
+def config_valid(cfg: MidConfig, n: int, k: int, m_bucket: int, w4a16: bool = False) -> tuple[bool, str]:
+    """THE validity predicate of a config for a shape (dispatch, benchmark and
+    tests).  Mirrors the kernel's static_asserts and the resource limits."""
+    if not isinstance(cfg, MidConfig):
+        return False, f"expected a MidConfig, got {type(cfg).__name__}"
+    if m_bucket not in M_BUCKETS:
+        return False, f"m_bucket must be one of {M_BUCKETS}, got {m_bucket}"
+    if n <= 0 or k <= 0 or k % K_MULTIPLE != 0:
+        return False, f"needs N > 0 and K a positive multiple of {K_MULTIPLE}, got N={n}, K={k}"
+    if cfg.warps not in (4, 8):
+        return False, f"warps must be 4 or 8, got {cfg.warps}"
+    if cfg.tiles not in (1, 2):
+        return False, f"tiles must be 1 or 2, got {cfg.tiles}"
+    if cfg.split_k not in (1, 2, 4, 8):
+        return False, f"split_k must be 1, 2, 4 or 8, got {cfg.split_k}"
+    if cfg.unroll not in (1, 2):
+        return False, f"unroll must be 1 or 2, got {cfg.unroll}"
+    steps = -(-(-(-k // 128)) // cfg.unroll)
+    if steps < cfg.split_k:
+        return False, f"split_k {cfg.split_k} exceeds the {steps} pipeline steps of K={k}"
+    limit = min(MAX_REGS, REGS_PER_SM // cfg.threads())
+    if cfg.registers(m_bucket, w4a16) > limit:
+        return False, f"about {cfg.registers(m_bucket, w4a16)} registers per thread, over the limit {limit}"
+    if cfg.smem_bytes(m_bucket) > SMEM_MAX:
+        return False, f"{cfg.smem_bytes(m_bucket)} bytes of shared memory, over {SMEM_MAX}"
+    return True, "ok"
+
+
+def m_bucket(m: int) -> int:
+    """Activation rows per CTA for ``m`` rows (beyond 128: slices of 128).
+
+    Examples
+    --------
+    >>> m_bucket(20), m_bucket(64), m_bucket(65), m_bucket(300)
+    (32, 64, 128, 128)
+    """
+    return 32 if m <= 32 else 64 if m <= 64 else 128
+
+
+G = MidConfig
+# H200 (benchmarks/device_nvfp4_mid.py): filled from the sweep.
+TUNING: dict[tuple[int, int], dict[int, MidConfig]] = {}
+TUNING_W4A16: dict[tuple[int, int], dict[int, MidConfig]] = {}
+del G
+
+
+def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> MidConfig:
+    """A config for an unseen shape: 8 warps of two tiles (one tile at 128
+    rows: the accumulators), split K until every SM has a CTA while each
+    split keeps at least two pipeline steps.
+
+    Examples
+    --------
+    >>> default_config(4096, 4096, 64).short(), default_config(28672, 4096, 64).short()
+    ('w8t2s8u1', 'w8t2s2u1')
+    """
+    for tiles in (2, 1) if m_bucket <= 64 else (1, 2):
+        cfg = MidConfig(8, tiles, 1, 1)
+        units = -(-k // 128)
+        ctas = -(-n // cfg.rows())
+        split = 1
+        while ctas * split < num_sms and split < 8 and units >= 2 * (split * 2):
+            split *= 2
+        cfg = dataclasses.replace(cfg, split_k=split)
+        if config_valid(cfg, n, k, m_bucket, w4a16)[0]:
+            return cfg
+    return MidConfig(4, 1, 1, 1)
+
+
+def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> MidConfig:
+    """The measured table's config or :func:`default_config`."""
+    cfg = (TUNING_W4A16 if w4a16 else TUNING).get((n, k), {}).get(m_bucket)
+    if cfg is None or not config_valid(cfg, n, k, m_bucket, w4a16)[0]:
+        cfg = default_config(n, k, m_bucket, num_sms, w4a16)
+    return cfg
+
+
+def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200,
+                      w4a16: bool = False) -> list[MidConfig]:
+    """The benchmark's sweep: the chosen config first, then every valid
+    warps x tiles x split x unroll point."""
+    first = choose_config(n, k, m_bucket, num_sms, w4a16)
+    found = [MidConfig(w, t, s, u) for w in (8, 4) for t in (2, 1) for s in (1, 2, 4, 8) for u in (1, 2)]
+    return [first, *[c for c in found if c != first and config_valid(c, n, k, m_bucket, w4a16)[0]]]
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_spec(n: int, k: int, m_bucket: int, cfg: MidConfig, out_dtype: torch.dtype = torch.bfloat16,
+                bias_dtype: torch.dtype | None = None, act_dtype: torch.dtype = torch.uint8) -> jit.NvrtcKernelSpec:
+    """The NVRTC spec of one instantiation (validated)."""
+    if act_dtype not in gv.ACT_CODES:
+        raise ValueError(f"act_dtype: expected uint8 (packed e2m1), fp16 or bf16, got {act_dtype}")
+    ok, why = config_valid(cfg, n, k, m_bucket, act_dtype != torch.uint8)
+    if not ok:
+        raise ValueError(f"cfg: expected a valid config for N={n}, K={k}, M bucket {m_bucket}, got {cfg}: {why}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype: expected bf16 or fp16, got {out_dtype}")
+    if bias_dtype not in gv.BIAS_CODES:
+        raise ValueError(f"bias_dtype: expected None, fp32, bf16 or fp16, got {bias_dtype}")
+    return jit.NvrtcKernelSpec(KERNEL, _source(), arch=ARCH,
+                               defines=cfg.defines(n, k, m_bucket, out_dtype, bias_dtype, act_dtype))
+
+
+def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: MidConfig | None = None) -> torch.Tensor:
+    """Run the kernel into ``out`` ([M, N], contiguous) on the current stream.
+
+    Arguments as :func:`scaledmm.ops.nvfp4_gemv.launch` (validated, M >= 1,
+    :func:`~scaledmm.ops.nvfp4_gemv.aligned` operands); any M (row slices).
+    """
+    m = a.shape[0]
+    n, k = b.shape[0], 2 * b.shape[1]
+    w4a16 = a.dtype != torch.uint8
+    mb = m_bucket(m)
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    cfg = cfg or choose_config(n, k, mb, gv.num_sms(dev), w4a16)
+    spec = kernel_spec(n, k, mb, cfg, out.dtype, None if bias is None else bias.dtype, a.dtype)
+    spec.kernel().launch(cfg.grid(n, m, mb), cfg.threads(),
+                         (a, b, a_scales, b_scales, alpha, bias, out, ctypes.c_int(m),
+                          ctypes.c_longlong(a.stride(0) * a.element_size())),
+                         device=a.device, shared_mem=cfg.smem_bytes(mb))
+    return out
+
+
+def mid_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None, cfg: MidConfig | None = None):
+    """Backend entry of ``nvfp4_mm``: a fresh ``[M, N]``
+    ``alpha * deq(a) @ deq(b).T (+ bias)``; misaligned operands go to the next
+    backend that can run the call.
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)    # doctest: +SKIP
+    >>> w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> one = torch.tensor(1.0, device="cuda")                            # doctest: +SKIP
+    >>> qa, sa = torch.ops.scaledmm.nvfp4_quant(x, one)                   # doctest: +SKIP
+    >>> qb, sb = torch.ops.scaledmm.nvfp4_quant(w, one)                   # doctest: +SKIP
+    >>> with scaledmm.use_backend("nvfp4", "cuda_mid"):                   # doctest: +SKIP
+    ...     out = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, one)
+    """
+    out = nv.mm_output(a, b, out_dtype)
+    if a.shape[0] == 0 or b.shape[0] == 0:
+        return out
+    if not gv.aligned(a, b):
+        return gv.fallback(OP, nv.mm_problem(a, b, out_dtype, bias), a, b, a_scales, b_scales, alpha, out_dtype, bias)
+    return launch(a, b, a_scales, b_scales, alpha, bias, out, cfg)
+
+
+def mid_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None, cfg: MidConfig | None = None):
+    """Backend entry of ``nvfp4_w4a16_mm`` (fp16 / bf16 ``x``).
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)    # doctest: +SKIP
+    >>> w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> one = torch.tensor(1.0, device="cuda")                            # doctest: +SKIP
+    >>> qb, sb = torch.ops.scaledmm.nvfp4_quant(w, one)                   # doctest: +SKIP
+    >>> with scaledmm.use_backend("nvfp4", "cuda_mid"):                   # doctest: +SKIP
+    ...     out = torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, one)
+    """
+    out = nv.mm_output(x, b, out_dtype)
+    if x.shape[0] == 0 or b.shape[0] == 0:
+        return out
+    if not gv.aligned(x, b):
+        return gv.fallback(OP_W4A16, nv.w4a16_problem(x, b, out_dtype, bias), x, b, b_scales, weight_alpha,
+                           out_dtype, bias)
+    return launch(x, b, b_scales, b_scales, weight_alpha, bias, out, cfg)
+
+
+# ----------------------------------------------------------------------------
+# Backend registration (right after cuda_gemv on sm90 unless SCALEDMM_NVFP4_MID=0)
+# ----------------------------------------------------------------------------
+
+
+def enabled_by_env() -> bool:
+    """True unless ``SCALEDMM_NVFP4_MID`` is set to ``0`` (or empty)."""
+    return os.environ.get(ENV_ENABLE, "1") not in ("", "0")
+
+
+def with_backend(order: list[str], enabled: bool) -> list[str]:
+    """``order`` with this backend right after ``cuda_gemv`` (else first), or
+    without it.
+
+    Examples
+    --------
+    >>> with_backend(["cuda_gemv", "decode_cublas", "triton", "reference"], True)
+    ['cuda_gemv', 'cuda_mid', 'decode_cublas', 'triton', 'reference']
+    >>> with_backend(["cuda_mid", "triton"], False)
+    ['triton']
+    """
+    base = [b for b in order if b != NAME]
+    if not enabled:
+        return base
+    at = base.index("cuda_gemv") + 1 if "cuda_gemv" in base else 0
+    return base[:at] + [NAME] + base[at:]
+
+
+backends.register(Backend(
+    FAMILY, NAME,
+    impls={OP: mid_mm, OP_W4A16: mid_w4a16},
+    is_supported=is_supported,
+    can_implement=can_implement,
+    description=(f"NVRTC FP4 decode + shared-memory activation + mma.sync, W4A4 and W4A16, M <= {MAX_M} "
+                 f"(csrc/{SOURCE}); after cuda_gemv on sm90 unless {ENV_ENABLE}=0"),
+))
+ENABLED = enabled_by_env()  # read once, at import
+backends.set_priority(FAMILY, "sm90", with_backend(backends.arch_priority(FAMILY, "sm90"), ENABLED))
+
+
+# ----------------------------------------------------------------------------
+# Pre-build hook: python -m scaledmm.jit build --nvfp4-mid N:K[,N:K...]
+# ----------------------------------------------------------------------------
+
+
+def prebuild_specs(value: str) -> list[jit.NvrtcKernelSpec]:
+    """Specs of every M bucket, both output dtypes, W4A4 and bf16 W4A16 (no
+    bias) for each ``N:K``."""
+    specs: dict[str, jit.NvrtcKernelSpec] = {}
+    for n, k in jit.parse_shapes(value, "nvfp4-mid"):
+        for act in (torch.uint8, torch.bfloat16):
+            for mb in M_BUCKETS:
+                for dt in OUT_DTYPES:
+                    spec = kernel_spec(n, k, mb, choose_config(n, k, mb, w4a16=act != torch.uint8), dt, None, act)
+                    specs.setdefault(spec.key, spec)
+    return list(specs.values())
+
+
+jit.register_prebuild("nvfp4-mid", prebuild_specs,
+                      help="N:K[,N:K...] NVFP4 middle-M kernels (every M bucket, bf16 and fp16 outputs, W4A4 and "
+                           "bf16 W4A16)")
