@@ -517,7 +517,7 @@ CHILD_CASES = {
     "nvfp4_gemv_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False),
     "nvfp4_gemv_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True),
     "nvfp4_gemv_wide": lambda ctx: case_nvfp4_gemv(ctx, False, 29),
-    "nvfp4_mid_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False, 150, "cuda_mid"),
+    "nvfp4_mid_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False, 100, "cuda_mid"),
     "nvfp4_mid_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True, 40, "cuda_mid"),
     "nvfp4_decode_cublas": case_nvfp4_decode_cublas,
     "fp8_tri_quant": case_fp8_quant,

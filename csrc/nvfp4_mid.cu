@@ -105,6 +105,9 @@ constexpr int ITEMS_PER_THREAD = (ITEMS + THREADS - 1) / THREADS;
 constexpr int RED_STRIDE = BN + 4;                // fp32 partial tile row (per activation row), padded
 constexpr int RED_BYTES = MB * RED_STRIDE * 4;
 constexpr int SMEM_BYTES = 2 * STAGE_BYTES > RED_BYTES ? 2 * STAGE_BYTES : RED_BYTES;
+constexpr int TILE4 = MB * BN / 4;                // the fp32 tile in groups of 4 columns
+constexpr int PER4 = TILE4 / SPLIT;               // groups each cluster rank adds and stores
+constexpr int RED_ITERS = (PER4 + THREADS - 1) / THREADS;
 
 static_assert(K % 32 == 0 && K > 0, "K must be a positive multiple of 32");
 static_assert(N > 0, "N must be positive");
@@ -116,6 +119,7 @@ static_assert(MB == 32 || MB == 64 || MB == 128, "P_MB must be 32, 64 or 128");
 static_assert(ACT >= 0 && ACT <= 2, "P_ACT must be 0 (e2m1), 1 (fp16) or 2 (bf16)");
 static_assert(STEPS >= SPLIT, "more split-K CTAs than pipeline steps");
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory over the sm90 limit");
+static_assert(TILE4 % SPLIT == 0 && BN % 4 == 0, "the tile splits into whole column groups per rank");
 
 __device__ __forceinline__ void mma_act(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   if (ACT == 2) {
@@ -141,6 +145,16 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 a;
   asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
   return a;
+}
+
+// Four floats at shared address ``addr`` (this CTA's view) of cluster rank ``rank``.
+__device__ __forceinline__ void load_peer_v4(u32 addr, u32 rank, float (&v)[4]) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+               : "r"(remote)
+               : "memory");
 }
 
 // Byte offset of word q of quad thread t4 of row r within a unit's rows.
@@ -404,16 +418,37 @@ nvfp4_mid(const unsigned char* __restrict__ a, const unsigned char* __restrict__
       if (m0 + mm < m && n0 + col < N) store_out(out, bias, alpha, m0 + mm, n0 + col, red[mm * RED_STRIDE + col]);
     }
   } else {
+    // Rank r adds column groups [r PER4, (r + 1) PER4) of every peer's tile:
+    // all remote loads first (four floats each, independent), then the sums
+    // in rank order.
     cluster_sync();
     const int rank = (int)cluster_rank();
-    constexpr int PER = (TILE + SPLIT - 1) / SPLIT;
-    for (int e = rank * PER + tid; e < (rank + 1) * PER && e < TILE; e += THREADS) {
-      const int mm = e / BN;
-      const int col = e % BN;
-      float s = 0.f;
+    const u32 red_base = smem_addr(red);
+    float v[RED_ITERS][SPLIT][4];
 #pragma unroll
-      for (int p = 0; p < SPLIT; ++p) s += load_peer_smem(&red[mm * RED_STRIDE + col], (u32)p);
-      if (m0 + mm < m && n0 + col < N) store_out(out, bias, alpha, m0 + mm, n0 + col, s);
+    for (int it = 0; it < RED_ITERS; ++it) {
+      const int e4 = rank * PER4 + tid + it * THREADS;
+      if (PER4 % THREADS == 0 || tid + it * THREADS < PER4) {
+        const int e = 4 * e4;
+        const u32 addr = red_base + (u32)(((e / BN) * RED_STRIDE + e % BN) * 4);
+#pragma unroll
+        for (int p = 0; p < SPLIT; ++p) load_peer_v4(addr, (u32)p, v[it][p]);
+      }
+    }
+#pragma unroll
+    for (int it = 0; it < RED_ITERS; ++it) {
+      const int e4 = rank * PER4 + tid + it * THREADS;
+      if (PER4 % THREADS == 0 || tid + it * THREADS < PER4) {
+        const int mm = (4 * e4) / BN;
+        const int col = (4 * e4) % BN;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float s = v[it][0][c];
+#pragma unroll
+          for (int p = 1; p < SPLIT; ++p) s += v[it][p][c];
+          if (m0 + mm < m && n0 + col + c < N) store_out(out, bias, alpha, m0 + mm, n0 + col + c, s);
+        }
+      }
     }
     cluster_sync();  // keep every CTA's shared memory alive until its peers have read it
   }
