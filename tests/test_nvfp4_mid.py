@@ -22,6 +22,7 @@ import scaledmm
 from scaledmm import backends, jit
 from scaledmm.backends import Family, Problem
 from scaledmm.ops import nvfp4 as nv
+from scaledmm.ops import nvfp4_cublas as dc
 from scaledmm.ops import nvfp4_gemv as gv
 from scaledmm.ops import nvfp4_mid as md
 
@@ -181,7 +182,8 @@ def test_priority_after_the_gemv_and_the_m_ranges(fake_sm90):
         assert backends.select(_problem(m), "nvfp4_mm").name == gv.NAME
     for m in (33, 64, md.MAX_M):
         assert backends.select(_problem(m), "nvfp4_mm").name == md.NAME
-    assert backends.select(_problem(md.MAX_M + 1), "nvfp4_mm").name != md.NAME
+    assert backends.select(_problem(md.MAX_M + 1), "nvfp4_mm").name == "decode_cublas"  # it starts at 128
+    assert md.MAX_M + 1 == dc.MIN_M  # no gap between the two backends' M ranges
     assert backends.select(_problem(17, w4a16=True), "nvfp4_w4a16_mm").name == md.NAME
     assert backends.select(_problem(40, out_dtype=torch.float32), "nvfp4_mm").name not in (md.NAME, gv.NAME)
     assert md.with_backend(order, False) == [gv.NAME, "decode_cublas", "triton", "reference"]
