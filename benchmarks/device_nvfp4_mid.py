@@ -6,6 +6,7 @@ copies rotated past 2x L2; CUDA-graph replay; medians), and a short config
 sweep per point.
 
     python benchmarks/device_nvfp4_mid.py [--part w4a4|w4a16|all] [--sweep N]
+    python benchmarks/device_nvfp4_mid.py --slices    # M 65-127: 64-row slices vs the 128-row bucket
 
 W4A4 at M = 48, 64, 128 (M <= 32 belongs to ``cuda_gemv``), W4A16 (bf16
 activation) at M = 24, 64, 128.  Prints a table per part; with ``$OUT`` set,
@@ -106,11 +107,43 @@ def run_part(part: str, sweep_n: int) -> tuple[list[dict], int]:
     return rows, fails
 
 
+def slices() -> None:
+    """W4A4 at M = 80, 96, 127: the default (one 128-row slice) against two
+    64-row slices with the 64-row table's config, decode_cublas for scale."""
+    dev = torch.device("cuda")
+    cfg_t = timing.TimingConfig.for_device(dev, quick=True)
+    print("| N x K | M | 128-row bucket us | 64-row slices us | decode_cublas us | slices ok |")
+    print("|---|---|---|---|---|---|")
+    for n, k in SHAPES:
+        copies = timing.copies_for(n * k * 9 // 16, cfg_t)
+        for m in (80, 96, 127):
+            x, qa, sa, ws, alpha = quantized(n, k, m, copies, dev)
+            cfg64 = md.choose_config(n, k, 64)
+
+            def sliced(c):
+                return md.launch(qa, c[0], sa, c[1], alpha, None, nv.mm_output(qa, c[0], torch.bfloat16), cfg64, mb=64)
+
+            ok = torch.equal(sliced(ws[0])[:64], md.launch(qa[:64], ws[0][0], sa, ws[0][1], alpha, None,
+                                                           nv.mm_output(qa[:64], ws[0][0], torch.bfloat16), cfg64))
+
+            def t(fn):
+                return timing.measure([(lambda c: lambda: fn(c))(c) for c in ws], dev, cfg_t).median_us
+
+            print(f"| {n}x{k} | {m} | {t(lambda c: md.mid_mm(qa, c[0], sa, c[1], alpha)):.1f} | {t(sliced):.1f} | "
+                  f"{t(lambda c: dc.mm(qa, c[0], sa, c[1], alpha)):.1f} | {ok} |", flush=True)
+            del ws
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=("w4a4", "w4a16", "all"), default="all")
     ap.add_argument("--sweep", type=int, default=10, help="configs per point (M 64 and 128)")
+    ap.add_argument("--slices", action="store_true", help="only the M 65-127 slicing comparison")
     args = ap.parse_args()
+    if args.slices:
+        slices()
+        return
     t0, res, fails = time.time(), {}, 0
     for part in ("w4a4", "w4a16") if args.part == "all" else (args.part,):
         res[part], f = run_part(part, args.sweep)

@@ -281,16 +281,18 @@ def kernel_spec(n: int, k: int, m_bucket: int, cfg: MidConfig, out_dtype: torch.
                                defines=cfg.defines(n, k, m_bucket, out_dtype, bias_dtype, act_dtype))
 
 
-def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: MidConfig | None = None) -> torch.Tensor:
+def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: MidConfig | None = None,
+           mb: int | None = None) -> torch.Tensor:
     """Run the kernel into ``out`` ([M, N], contiguous) on the current stream.
 
     Arguments as :func:`scaledmm.ops.nvfp4_gemv.launch` (validated, M >= 1,
-    :func:`~scaledmm.ops.nvfp4_gemv.aligned` operands); any M (row slices).
+    :func:`~scaledmm.ops.nvfp4_gemv.aligned` operands); any M (row slices of
+    ``mb`` rows, :func:`m_bucket` by default).
     """
     m = a.shape[0]
     n, k = b.shape[0], 2 * b.shape[1]
     w4a16 = a.dtype != torch.uint8
-    mb = m_bucket(m)
+    mb = mb or m_bucket(m)
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     cfg = cfg or choose_config(n, k, mb, gv.num_sms(dev), w4a16)
     spec = kernel_spec(n, k, mb, cfg, out.dtype, None if bias is None else bias.dtype, a.dtype)
