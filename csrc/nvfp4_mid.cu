@@ -15,8 +15,9 @@
 //   P_SPLIT      CTAs per thread-block cluster along K (1, 2, 4, 8), partial
 //                tiles added through distributed shared memory in rank order
 //   P_UNROLL     128-wide K units per pipeline step (1 or 2)
-//   P_MB         activation rows per CTA (32, 64 or 128); larger M runs
-//                ceil(M / P_MB) row slices along grid z
+//   P_MB         activation rows per CTA (32 or 64); larger M runs
+//                ceil(M / P_MB) row slices along grid z (the slices of a
+//                weight tile meet it in L2)
 //   P_OUT_F16, P_BIAS, P_ACT   as G_OUT_F16, G_BIAS, G_ACT of nvfp4_gemv.cu
 //
 // Design (why not the GEMV kernel: there every CTA decodes the activation of
@@ -115,7 +116,7 @@ static_assert(WARPS == 4 || WARPS == 8, "P_WARPS must be 4 or 8");
 static_assert(NTW == 1 || NTW == 2, "P_NTW must be 1 or 2");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4 || SPLIT == 8, "P_SPLIT must be 1, 2, 4 or 8");
 static_assert(U == 1 || U == 2, "P_UNROLL must be 1 or 2");
-static_assert(MB == 32 || MB == 64 || MB == 128, "P_MB must be 32, 64 or 128");
+static_assert(MB == 32 || MB == 64, "P_MB must be 32 or 64");
 static_assert(ACT >= 0 && ACT <= 2, "P_ACT must be 0 (e2m1), 1 (fp16) or 2 (bf16)");
 static_assert(STEPS >= SPLIT, "more split-K CTAs than pipeline steps");
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory over the sm90 limit");

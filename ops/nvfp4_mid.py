@@ -7,13 +7,16 @@ on disk (``scaledmm.jit``), launched on torch's current stream.
 Between the small-M kernel (``cuda_gemv``, register streaming: every CTA
 decodes the activation for its few weight rows, which stops paying past ~32
 rows) and the two-pass ``decode_cublas`` (a full weight decode per call): the
-warps of a CTA split its 128-256 weight rows, each streams and decodes its
+warps of a CTA split its 64-256 weight rows, each streams and decodes its
 own weight once in registers (the GEMV's exact fp16 decode), and the
 activation of each 128-wide K step is decoded once per CTA into shared memory,
 from where every warp feeds ``mma.sync m16n8k16`` (fp32 accumulation, exact
 products, one rounding).  Split K over the CTAs of a cluster (DSMEM, rank
-order): deterministic, no workspace, CUDA-graph safe.  M beyond the bucket
-runs row slices (grid z).  See the .cu file's header.
+order): deterministic, no workspace, CUDA-graph safe.  M beyond 64 runs
+64-row slices (grid z) that meet each weight tile in L2: measured faster than
+one 128-row CTA (whose accumulators only fit one tile per warp) on every
+llama8b shape, and faster than ``decode_cublas`` up to M = 127.  See the .cu
+file's header.
 
 Read top to bottom: capability checks, the config space (frozen dataclass,
 one validity predicate :func:`config_valid`, :func:`choose_config`), the
@@ -52,7 +55,7 @@ SOURCE = "nvfp4_mid.cu"
 KERNEL = "nvfp4_mid"
 ARCH = "sm_90a"
 K_MULTIPLE = 32
-M_BUCKETS = (32, 64, 128)
+M_BUCKETS = (32, 64)
 MAX_M = 127  # from 128 on: decode_cublas (measured, see TUNING)
 OUT_DTYPES = gv.OUT_DTYPES
 MAX_REGS = 255
@@ -184,52 +187,50 @@ def config_valid(cfg: MidConfig, n: int, k: int, m_bucket: int, w4a16: bool = Fa
 
 
 def m_bucket(m: int) -> int:
-    """Activation rows per CTA for ``m`` rows (beyond 128: slices of 128).
+    """Activation rows per CTA for ``m`` rows (beyond 64: slices of 64).
 
     Examples
     --------
     >>> m_bucket(20), m_bucket(64), m_bucket(65), m_bucket(300)
-    (32, 64, 128, 128)
+    (32, 64, 64, 64)
     """
-    return 32 if m <= 32 else 64 if m <= 64 else 128
+    return 32 if m <= 32 else 64
 
 
 G = MidConfig
 # H200, session 4 (benchmarks/device_nvfp4_mid.py --sweep 30: every valid
-# config at M = 64 and 128, cold L2, graph replay; us, with the Triton kernel,
-# decode_cublas and bf16 F.linear of the same run).  Small N wants narrow
-# 4-warp CTAs split in two (more CTAs per SM hide the latency), large N the
-# widest tiles unsplit; at M = 128 one tile per warp (the accumulators).
-# M = 128 lost to decode_cublas on 4096x4096 and 4096x14336 (the 128 column
-# serves M 65-127, where decode_cublas does not run and Triton is 1.2-2x slower).
+# config at M = 64, cold L2, graph replay; us, with the Triton kernel and bf16
+# F.linear of the same run).  Small N wants narrow 4-warp CTAs split in two
+# (more CTAs per SM hide the latency), large N the widest tiles unsplit.  The
+# same configs serve M 65-127 as 64-row slices (--slices: 4096x4096 M = 96
+# 21.4 us against 34.2 for one 128-row CTA and 30.4 for decode_cublas).
 TUNING: dict[tuple[int, int], dict[int, MidConfig]] = {
-    (6144, 4096): {64: G(8, 2, 4, 1), 128: G(8, 1, 2, 1)},     # 18.9 / 35.1 (triton 25.8 / 79.2, bf16 16.8 / 17.6)
-    (4096, 4096): {64: G(4, 1, 2, 2), 128: G(8, 1, 2, 1)},     # 15.1 / 34.6 (22.7 / 56.9, 12.7 / 14.3)
-    (28672, 4096): {64: G(8, 2, 1, 1), 128: G(8, 1, 1, 1)},    # 59.7 / 134.3 (88.2 / 193.5, 66.4 / 68.4)
-    (4096, 14336): {64: G(4, 1, 2, 2), 128: G(8, 1, 8, 1)},    # 43.6 / 94.8 (53.1 / 109.9, 37.4 / 38.5)
+    (6144, 4096): {64: G(8, 2, 4, 1)},     # 18.9 (triton 25.8, bf16 16.8)
+    (4096, 4096): {64: G(4, 1, 2, 2)},     # 15.1 (22.7, 12.7)
+    (28672, 4096): {64: G(8, 2, 1, 1)},    # 59.7 (88.2, 66.4)
+    (4096, 14336): {64: G(4, 1, 2, 2)},    # 43.6 (53.1, 37.4)
 }
 TUNING_W4A16: dict[tuple[int, int], dict[int, MidConfig]] = {
-    (6144, 4096): {64: G(8, 2, 4, 1), 128: G(8, 1, 2, 1)},     # 20.5 / 41.9 (triton 28.8 / 98.7)
-    (4096, 4096): {64: G(4, 1, 2, 1), 128: G(8, 1, 2, 1)},     # 19.1 / 41.2 (29.7 / 68.5)
-    (28672, 4096): {64: G(8, 2, 1, 1), 128: G(8, 1, 1, 1)},    # 65.0 / 161.1 (88.5 / 203.7)
-    (4096, 14336): {64: G(8, 2, 4, 1), 128: G(8, 1, 8, 1)},    # 55.2 / 121.1 (52.8 / 130.9)
+    (6144, 4096): {64: G(8, 2, 4, 1)},     # 20.5 (triton 28.8)
+    (4096, 4096): {64: G(4, 1, 2, 1)},     # 19.1 (29.7)
+    (28672, 4096): {64: G(8, 2, 1, 1)},    # 65.0 (88.5)
+    (4096, 14336): {64: G(8, 2, 4, 1)},    # 55.2 (52.8)
 }
 del G
 
 
 def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> MidConfig:
-    """A config for an unseen shape: 8 warps of two tiles (one tile at 128
-    rows: the accumulators), split K until every SM has a CTA while each
-    split keeps at least 8 pipeline steps (16 at 128 rows; the sweep's
-    short splits lost to their pipeline fill and epilogue).
+    """A config for an unseen shape: 8 warps of two tiles, split K until
+    every SM has a CTA while each split keeps at least 8 pipeline steps (the
+    sweep's short splits lost to their pipeline fill and epilogue).
 
     Examples
     --------
     >>> default_config(4096, 4096, 64).short(), default_config(28672, 4096, 64).short()
     ('w8t2s4u1', 'w8t2s2u1')
     """
-    min_steps = 8 if m_bucket <= 64 else 16
-    for tiles in (2, 1) if m_bucket <= 64 else (1, 2):
+    min_steps = 8
+    for tiles in (2, 1):
         cfg = MidConfig(8, tiles, 1, 1)
         units = -(-k // 128)
         ctas = -(-n // cfg.rows())
