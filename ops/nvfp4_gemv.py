@@ -24,7 +24,7 @@ is compute-bound past ~32 rows.  See the .cu file's header.
 **Default on sm90** since the H200 validated it (session 3,
 ``benchmarks/device_nvfp4_gemv.py``: every check bit-deterministic and within
 the float64 bound; llama8b shapes 2.2-2.4x bf16 ``F.linear`` at M <= 4 with
-the measured configs; session 4: M = 17-32 1.1-1.4x bf16 and 2.1-2.5x the Triton
+the measured configs; session 4: M = 17-32 1.3-1.5x bf16 and 2.1-2.5x the Triton
 kernel).  It is first in the automatic sm90 priority list for
 the calls it can implement (bf16/fp16 output, M within the limits above); setting
 ``SCALEDMM_NVFP4_GEMV=0`` before this module is imported takes it out of the
