@@ -118,6 +118,34 @@ __device__ __forceinline__ void scale_pairs(u32 two, u32& lo, u32& hi) {
   hi = __byte_perm(d, 0, 0x3232);
 }
 
+// The MMA of an instantiation: f16 operands (W4A4, fp16 activation) or bf16
+// (bf16 activation, ACT 2).
+template <int ACT>
+__device__ __forceinline__ void mma_act(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  if (ACT == 2) {
+    mma_bf16(d, a0, a1, a2, a3, b0, b1);
+  } else {
+    mma_f16(d, a0, a1, a2, a3, b0, b1);
+  }
+}
+
+// out[mm, n] = alpha * 2^28 (W4A4) or 2^14 (W4A16) * s (+ bias[n]), one
+// rounding to the output type: the power of two undoes the decoders' 2^-14
+// per decoded operand (exact).  BIAS 0 none, 1 fp32, 2 bf16, 3 fp16; ldo the
+// output row length.
+template <int ACT, int BIAS, bool OUT_F16, int LDO>
+__device__ __forceinline__ void store_out(u16* out, const void* bias, float alpha, int mm, int n, float s) {
+  float v = s * (ACT == 0 ? 268435456.0f : 16384.0f) * alpha;
+  if (BIAS == 1) {
+    v += ((const float*)bias)[n];
+  } else if (BIAS == 2) {
+    v += bf16_to_f32(((const u16*)bias)[n]);
+  } else if (BIAS == 3) {
+    v += f16_to_f32(((const u16*)bias)[n]);
+  }
+  out[(long long)mm * LDO + n] = OUT_F16 ? to_f16(v) : to_bf16(v);
+}
+
 // Byte offset of swizzled scale column 8 * unit0 + 2 t (unit 0) of row r when
 // the layout has c4 groups of four columns; unit u adds u * 1024 bytes.
 __device__ __forceinline__ long long scale_offset(int r, int t4, int c4) {

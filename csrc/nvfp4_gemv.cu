@@ -124,13 +124,8 @@ static_assert(U >= 1 && U <= 4, "G_UNROLL must be 1..4");
 static_assert(ACT >= 0 && ACT <= 2, "G_ACT must be 0 (e2m1), 1 (fp16) or 2 (bf16)");
 static_assert(WARPS * TILE * 4 <= 48 * 1024, "reduction buffer exceeds 48 KiB of static shared memory");
 
-// The MMA of this instantiation: f16 (W4A4, fp16 activation) or bf16 operands.
 __device__ __forceinline__ void mma_act(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  if (ACT == 2) {
-    mma_bf16(d, a0, a1, a2, a3, b0, b1);
-  } else {
-    mma_f16(d, a0, a1, a2, a3, b0, b1);
-  }
+  nvfp4_dec::mma_act<ACT>(d, a0, a1, a2, a3, b0, b1);
 }
 
 // -- one warp's register batch: U units x (NT tiles x 2 row halves) of b, U x MF of a
@@ -286,22 +281,8 @@ __device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& 
 // Byte offset of scale column 8 * unit0 + 2 t (unit 0) of row r in the swizzled layout.
 __device__ __forceinline__ long long scale_offset(int r, int t4) { return nvfp4_dec::scale_offset(r, t4, SCALE_C4); }
 
-// alpha * 2^28 * acc (+ bias), one rounding to the output type.
 __device__ __forceinline__ void store_out(u16* out, const void* bias, float alpha, int mm, int n, float s) {
-  // 2^28 (W4A4) / 2^14 (W4A16) undoes the decoders' 2^-14 per decoded operand (exact)
-  float v = s * (ACT == 0 ? 268435456.0f : 16384.0f) * alpha;
-#if G_BIAS == 1
-  v += ((const float*)bias)[n];
-#elif G_BIAS == 2
-  v += bf16_to_f32(((const u16*)bias)[n]);
-#elif G_BIAS == 3
-  v += f16_to_f32(((const u16*)bias)[n]);
-#endif
-#if G_OUT_F16
-  out[(long long)mm * N + n] = to_f16(v);
-#else
-  out[(long long)mm * N + n] = to_bf16(v);
-#endif
+  nvfp4_dec::store_out<ACT, G_BIAS, G_OUT_F16 != 0, N>(out, bias, alpha, mm, n, s);
 }
 
 }  // namespace gv

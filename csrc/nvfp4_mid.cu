@@ -123,11 +123,7 @@ static_assert(SMEM_BYTES <= 227 * 1024, "shared memory over the sm90 limit");
 static_assert(TILE4 % SPLIT == 0 && BN % 4 == 0, "the tile splits into whole column groups per rank");
 
 __device__ __forceinline__ void mma_act(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  if (ACT == 2) {
-    mma_bf16(d, a0, a1, a2, a3, b0, b1);
-  } else {
-    mma_f16(d, a0, a1, a2, a3, b0, b1);
-  }
+  nvfp4_dec::mma_act<ACT>(d, a0, a1, a2, a3, b0, b1);
 }
 
 __device__ __forceinline__ void st_shared_v4(u32 addr, const u32* v) {
@@ -298,21 +294,8 @@ __device__ __forceinline__ void mma_step(float (&acc)[NTW][MF][4], const WRegs& 
   }
 }
 
-// alpha * 2^28 (W4A4) or 2^14 (W4A16) * acc (+ bias), one rounding.
 __device__ __forceinline__ void store_out(u16* out, const void* bias, float alpha, int mm, int n, float s) {
-  float v = s * (ACT == 0 ? 268435456.0f : 16384.0f) * alpha;
-#if P_BIAS == 1
-  v += ((const float*)bias)[n];
-#elif P_BIAS == 2
-  v += bf16_to_f32(((const u16*)bias)[n]);
-#elif P_BIAS == 3
-  v += f16_to_f32(((const u16*)bias)[n]);
-#endif
-#if P_OUT_F16
-  out[(long long)mm * N + n] = to_f16(v);
-#else
-  out[(long long)mm * N + n] = to_bf16(v);
-#endif
+  nvfp4_dec::store_out<ACT, P_BIAS, P_OUT_F16 != 0, N>(out, bias, alpha, mm, n, s);
 }
 
 }  // namespace mid
