@@ -135,6 +135,8 @@ CASES: tuple[Case, ...] = (
          "M100 N200 K736, strided a", csrc=True),
     Case("nvfp4_mid_w4a16", "nvfp4_w4a16_mm cuda_mid, bf16 activation, 64-row bucket", "M40 N200 K736, strided x",
          csrc=True),
+    Case("nvfp4_mid_ring", "cuda_mid w4t1s2u1r3: cp.async weight ring (not in a table yet), split K, two slices",
+         "M100 N200 K736, strided a", csrc=True),
     Case("nvfp4_decode_cublas", "nvfp4_mm decode_cublas: Triton decodes, cuBLAS fp32 mm, Triton epilogue + bias",
          "M130 N200 K736"),
     Case("fp8_tri_quant", "quant_fp8 Triton (ops/fp8_triton_quant.py, if present): per-token, per-tensor, static",

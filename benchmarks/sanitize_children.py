@@ -380,6 +380,29 @@ def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, rows: int | None = None, backend: str
     return close(out, ref, 1e-2, first)
 
 
+def case_nvfp4_mid_ring(ctx: Ctx):
+    """cuda_mid with the cp.async weight ring (``MidConfig.ring``, not in any
+    table yet): W4A4 at M = 100 (two 64-row slices), strided, split K in two
+    with three pipeline steps per CTA (the ring's prologue and empty groups)."""
+    import torch
+
+    from scaledmm.ops import nvfp4 as nv
+    from scaledmm.ops import nvfp4_mid as md
+
+    m, n, k = 100, GEMV_MNK[1], GEMV_MNK[2]
+    _, qa, sa, ga = _nvfp4_quantized(ctx, m, k)
+    _, qb, sb, gb = _nvfp4_quantized(ctx, n, k)
+    alpha = (1.0 / (ga * gb)).float()
+    need_backend("nvfp4", "cuda_mid", nv.mm_problem(qa.to(ctx.dev), qb.to(ctx.dev), torch.bfloat16, None))
+    a_d = ctx.strided(qa)
+    d = [t.to(ctx.dev) for t in (qb, sa, sb, alpha)]
+    cfg = md.MidConfig(4, 1, 2, 1, 3)
+    first, out = ctx.twice(lambda: md.launch(a_d, d[0], d[1], d[2], d[3], None,
+                                             nv.mm_output(a_d, d[0], torch.bfloat16), cfg))
+    ref = (nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t()) * float(alpha)
+    return close(out, ref, 1e-2, first)
+
+
 def case_nvfp4_decode_cublas(ctx: Ctx):
     """decode_cublas (ops/nvfp4_cublas.py): Triton decodes + cuBLAS fp32-out mm +
     the Triton epilogue with bias, M just above MIN_M, N not a multiple of 128."""
@@ -519,6 +542,7 @@ CHILD_CASES = {
     "nvfp4_gemv_wide": lambda ctx: case_nvfp4_gemv(ctx, False, 29),
     "nvfp4_mid_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False, 100, "cuda_mid"),
     "nvfp4_mid_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True, 40, "cuda_mid"),
+    "nvfp4_mid_ring": case_nvfp4_mid_ring,
     "nvfp4_decode_cublas": case_nvfp4_decode_cublas,
     "fp8_tri_quant": case_fp8_quant,
     "skinny_v1": lambda ctx: case_skinny(ctx, "reg"),

@@ -15,6 +15,11 @@
 //   P_SPLIT      CTAs per thread-block cluster along K (1, 2, 4, 8), partial
 //                tiles added through distributed shared memory in rank order
 //   P_UNROLL     128-wide K units per pipeline step (1 or 2)
+//   P_RING       0: each warp requests the next step's weight into registers
+//                (one step ahead); 2..4: a ring of that many shared-memory
+//                stages filled with cp.async (P_RING - 1 steps ahead, no
+//                registers held), each thread reading back only its own
+//                chunks (no barrier needed for them)
 //   P_MB         activation rows per CTA (32 or 64); larger M runs
 //                ceil(M / P_MB) row slices along grid z (the slices of a
 //                weight tile meet it in L2)
@@ -33,8 +38,10 @@
 //    sits in 16-byte slot 4 t + (q ^ ((r & 1) << 1 | t >> 1)) of the row's 256
 //    bytes: the 8 threads of a quarter warp (rows r, r + 1 x t 0..3) meet 8
 //    different bank groups, for the writes and the reads.
-//  * Two stages: the next step's activation and weight bytes are requested
-//    into registers before this step's MMAs; one __syncthreads per step.
+//  * Two activation stages: the next step's activation bytes are requested
+//    into registers before this step's MMAs, one __syncthreads per step.  The
+//    weight: the same one-step register prefetch, or (P_RING) a per-thread
+//    cp.async ring in shared memory, P_RING - 1 steps ahead.
 //  * Epilogue: the CTA's fp32 tile to shared memory (over the stages), then
 //    the split-K CTAs of a cluster add it through DSMEM in rank order and
 //    store it coalesced along N.  Deterministic, no workspace, no atomics,
@@ -61,6 +68,9 @@
 #ifndef P_MB
 #define P_MB 64
 #endif
+#ifndef P_RING
+#define P_RING 0
+#endif
 #ifndef P_OUT_F16
 #define P_OUT_F16 0
 #endif
@@ -85,6 +95,7 @@ constexpr int NTW = P_NTW;
 constexpr int SPLIT = P_SPLIT;
 constexpr int U = P_UNROLL;
 constexpr int MB = P_MB;
+constexpr int RING = P_RING;
 constexpr int MF = MB / 8;
 constexpr int ACT = P_ACT;
 constexpr int THREADS = WARPS * 32;
@@ -105,7 +116,13 @@ constexpr int ITEMS = U * MB * 4;                 // (unit, row, quad thread) it
 constexpr int ITEMS_PER_THREAD = (ITEMS + THREADS - 1) / THREADS;
 constexpr int RED_STRIDE = BN + 4;                // fp32 partial tile row (per activation row), padded
 constexpr int RED_BYTES = MB * RED_STRIDE * 4;
-constexpr int SMEM_BYTES = 2 * STAGE_BYTES > RED_BYTES ? 2 * STAGE_BYTES : RED_BYTES;
+constexpr int RING_W_BYTES = U * NTW * 2 * 32 * 16;  // one warp's weight chunks of one step
+constexpr int RING_S_BYTES = U * NTW * 2 * 32 * 4;   // their aligned scale words
+constexpr int RING_WARP = RING_W_BYTES + RING_S_BYTES;
+constexpr int RING_STAGE = WARPS * RING_WARP;
+constexpr int RING_MOD = RING > 0 ? RING : 1;      // (no division by zero in the unused path)
+constexpr int MAIN_BYTES = 2 * STAGE_BYTES + RING * RING_STAGE;
+constexpr int SMEM_BYTES = MAIN_BYTES > RED_BYTES ? MAIN_BYTES : RED_BYTES;
 constexpr int TILE4 = MB * BN / 4;                // the fp32 tile in groups of 4 columns
 constexpr int PER4 = TILE4 / SPLIT;               // groups each cluster rank adds and stores
 constexpr int RED_ITERS = (PER4 + THREADS - 1) / THREADS;
@@ -117,6 +134,7 @@ static_assert(NTW == 1 || NTW == 2, "P_NTW must be 1 or 2");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4 || SPLIT == 8, "P_SPLIT must be 1, 2, 4 or 8");
 static_assert(U == 1 || U == 2, "P_UNROLL must be 1 or 2");
 static_assert(MB == 32 || MB == 64, "P_MB must be 32 or 64");
+static_assert(RING == 0 || (RING >= 2 && RING <= 4), "P_RING must be 0 or 2..4");
 static_assert(ACT >= 0 && ACT <= 2, "P_ACT must be 0 (e2m1), 1 (fp16) or 2 (bf16)");
 static_assert(STEPS >= SPLIT, "more split-K CTAs than pipeline steps");
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory over the sm90 limit");
@@ -248,6 +266,68 @@ __device__ __forceinline__ void load_w_step(WRegs& wr, const WRows& rows, int st
   }
 }
 
+// -- P_RING > 0: the warp's weight through a cp.async ring ---------------------
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// Request step ``step``'s weight chunks and scale words of this thread into the
+// ring slot at ``slot`` (this warp's part).  Out-of-range chunks are zero-filled
+// (source size 0, the source a valid base address).  A scale pair is fetched
+// as the aligned 4-byte word that holds it.
+__device__ __forceinline__ void ring_issue(const WRows& rows, int step, u32 slot, int lane,
+                                           const unsigned char* b, const unsigned char* b_scales) {
+#pragma unroll
+  for (int i = 0; i < U; ++i) {
+    const int unit = step * U + i;
+    const bool ok = FULL_UNITS || (unit < UNITS && unit * 4 + rows.t4 < CHUNKS);
+#pragma unroll
+    for (int t = 0; t < NTW; ++t) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const bool rok = ok && (FULL_ROWS || rows.ok[t][h]);
+        const int idx = ((i * NTW + t) * 2 + h) * 32 + lane;
+        cp_async16(slot + (u32)(idx * 16), rok ? rows.row[t][h] + (long long)unit * 64 : b, rok);
+        cp_async4(slot + (u32)(RING_W_BYTES + idx * 4),
+                  rok ? rows.scale[t][h] - 2 * (rows.t4 & 1) + (long long)unit * 1024 : b_scales, rok);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void ring_read(WRegs& wr, u32 slot, int lane, int t4) {
+#pragma unroll
+  for (int i = 0; i < U; ++i) {
+#pragma unroll
+    for (int t = 0; t < NTW; ++t) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int idx = ((i * NTW + t) * 2 + h) * 32 + lane;
+        ld_shared_v4(slot + (u32)(idx * 16), wr.w[i][t][h].v);
+        wr.ws[i][t][h] = (ld_shared_u32(slot + (u32)(RING_W_BYTES + idx * 4)) >> (16 * (t4 & 1))) & 0xFFFFu;
+      }
+    }
+  }
+}
+
 // -- the MMAs of one step ------------------------------------------------------
 
 __device__ __forceinline__ void mma_step(float (&acc)[NTW][MF][4], const WRegs& wr, u32 stage, int g, int t4) {
@@ -351,8 +431,33 @@ nvfp4_mid(const unsigned char* __restrict__ a, const unsigned char* __restrict__
   const int s_begin = blockIdx.y * STEPS_PER_SPLIT;
   const int s_end = s_begin + STEPS_PER_SPLIT < STEPS ? s_begin + STEPS_PER_SPLIT : STEPS;
   ActRegs ar;
+  if (RING > 0) {
+    // Weight: RING - 1 steps in flight through the ring; activation as below.
+    const u32 ring0 = stage0 + 2 * STAGE_BYTES + (u32)(warp * RING_WARP);
+    WRegs w;
+#pragma unroll
+    for (int p = 0; p < (RING > 0 ? RING - 1 : 0); ++p) {
+      if (s_begin + p < s_end) ring_issue(rows, s_begin + p, ring0 + (u32)(p * RING_STAGE), lane, b, b_scales);
+      cp_async_commit();
+    }
+    if (s_begin < s_end) load_act_step(ar, a, a_scales, m, m0, a_stride, s_begin, tid);
+    for (int st = s_begin; st < s_end; ++st) {
+      const int j = st - s_begin;
+      if (st + RING - 1 < s_end) {
+        ring_issue(rows, st + RING - 1, ring0 + (u32)(((j + RING - 1) % RING_MOD) * RING_STAGE), lane, b, b_scales);
+      }
+      cp_async_commit();  // (empty past the end: the wait below counts groups)
+      const u32 stage = (j & 1) ? stage1 : stage0;
+      store_act_step(ar, stage, tid);
+      if (st + 1 < s_end) load_act_step(ar, a, a_scales, m, m0, a_stride, st + 1, tid);
+      cp_async_wait<(RING > 0 ? RING - 1 : 0)>();  // this thread's copies of step st have landed
+      ring_read(w, ring0 + (u32)((j % RING_MOD) * RING_STAGE), lane, t4);
+      __syncthreads();
+      mma_step(acc, w, stage, g, t4);
+    }
+  }
   WRegs w0, w1;
-  int st = s_begin;
+  int st = RING > 0 ? s_end : s_begin;
   if (st < s_end) {
     load_w_step(w0, rows, st);
     load_act_step(ar, a, a_scales, m, m0, a_stride, st, tid);

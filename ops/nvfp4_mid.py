@@ -117,12 +117,19 @@ class MidConfig:
         CTAs per cluster splitting K (1, 2, 4, 8).
     unroll : int
         128-wide K units per pipeline step (1 or 2).
+    ring : int
+        0: the next step's weight is requested into registers (one step
+        ahead); 2-4: a ring of that many shared-memory stages filled with
+        ``cp.async`` (``ring - 1`` steps ahead).  Not yet measured on a GPU
+        (session 4 ran out of device time): only the sweep and the tests use
+        it, no table or default does.
     """
 
     warps: int = 8
     tiles: int = 2
     split_k: int = 1
     unroll: int = 1
+    ring: int = 0
 
     def rows(self) -> int:
         return 16 * self.warps * self.tiles
@@ -141,8 +148,10 @@ class MidConfig:
                 + self.tiles * 8 * (2 if w4a16 else 1) + 80)
 
     def smem_bytes(self, m_bucket: int) -> int:
-        """Dynamic shared memory: two activation stages, or the fp32 tile."""
-        return max(2 * self.unroll * m_bucket * 256, m_bucket * (self.rows() + 4) * 4)
+        """Dynamic shared memory: two activation stages and the weight ring, or
+        the fp32 tile."""
+        ring = self.ring * self.warps * self.unroll * self.tiles * 2 * 32 * (16 + 4)
+        return max(2 * self.unroll * m_bucket * 256 + ring, m_bucket * (self.rows() + 4) * 4)
 
     def grid(self, n: int, m: int, m_bucket: int) -> tuple[int, int, int]:
         """(weight tiles, split_k, row slices)."""
@@ -151,11 +160,12 @@ class MidConfig:
     def defines(self, n: int, k: int, m_bucket: int, out_dtype: torch.dtype,
                 bias_dtype: torch.dtype | None, act_dtype: torch.dtype = torch.uint8) -> dict[str, int]:
         return {"P_N": n, "P_K": k, "P_WARPS": self.warps, "P_NTW": self.tiles, "P_SPLIT": self.split_k,
-                "P_UNROLL": self.unroll, "P_MB": m_bucket, "P_OUT_F16": int(out_dtype == torch.float16),
+                "P_UNROLL": self.unroll, "P_RING": self.ring, "P_MB": m_bucket,
+                "P_OUT_F16": int(out_dtype == torch.float16),
                 "P_BIAS": gv.BIAS_CODES[bias_dtype], "P_ACT": gv.ACT_CODES[act_dtype]}
 
     def short(self) -> str:
-        return f"w{self.warps}t{self.tiles}s{self.split_k}u{self.unroll}"
+        return f"w{self.warps}t{self.tiles}s{self.split_k}u{self.unroll}" + (f"r{self.ring}" if self.ring else "")
 
 
 def config_valid(cfg: MidConfig, n: int, k: int, m_bucket: int, w4a16: bool = False) -> tuple[bool, str]:
@@ -175,6 +185,8 @@ def config_valid(cfg: MidConfig, n: int, k: int, m_bucket: int, w4a16: bool = Fa
         return False, f"split_k must be 1, 2, 4 or 8, got {cfg.split_k}"
     if cfg.unroll not in (1, 2):
         return False, f"unroll must be 1 or 2, got {cfg.unroll}"
+    if cfg.ring not in (0, 2, 3, 4):
+        return False, f"ring must be 0, 2, 3 or 4, got {cfg.ring}"
     steps = -(-(-(-k // 128)) // cfg.unroll)
     if steps < cfg.split_k:
         return False, f"split_k {cfg.split_k} exceeds the {steps} pipeline steps of K={k}"
@@ -254,9 +266,11 @@ def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4
 def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200,
                       w4a16: bool = False) -> list[MidConfig]:
     """The benchmark's sweep: the chosen config first, then every valid
-    warps x tiles x split x unroll point."""
+    warps x tiles x split x unroll point with register batches, then those of
+    one unit per step with a 3-stage ``cp.async`` weight ring."""
     first = choose_config(n, k, m_bucket, num_sms, w4a16)
-    found = [MidConfig(w, t, s, u) for w in (8, 4) for t in (2, 1) for s in (1, 2, 4, 8) for u in (1, 2)]
+    grid = [(w, t, s) for w in (8, 4) for t in (2, 1) for s in (1, 2, 4, 8)]
+    found = [MidConfig(w, t, s, u) for w, t, s in grid for u in (1, 2)] + [MidConfig(w, t, s, 1, 3) for w, t, s in grid]
     return [first, *[c for c in found if c != first and config_valid(c, n, k, m_bucket, w4a16)[0]]]
 
 
@@ -296,6 +310,8 @@ def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: MidCon
     mb = mb or m_bucket(m)
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     cfg = cfg or choose_config(n, k, mb, gv.num_sms(dev), w4a16)
+    if cfg.ring and b_scales.data_ptr() % 4:  # the ring copies aligned 4-byte scale words
+        cfg = dataclasses.replace(cfg, ring=0)
     spec = kernel_spec(n, k, mb, cfg, out.dtype, None if bias is None else bias.dtype, a.dtype)
     spec.kernel().launch(cfg.grid(n, m, mb), cfg.threads(),
                          (a, b, a_scales, b_scales, alpha, bias, out, ctypes.c_int(m),

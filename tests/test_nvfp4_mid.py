@@ -68,6 +68,9 @@ def _instances():
     out[(1040, 736, 32, md.MidConfig(8, 1, 2, 2), BF16, None, U8)] = None
     out[(200, 96, 32, md.MidConfig(4, 1, 1, 1), BF16, BF16, F16)] = None
     out[(1040, 4096, 64, md.MidConfig(8, 1, 8, 1), F16, F16, BF16)] = None
+    out[(4096, 4096, 64, md.MidConfig(8, 2, 4, 1, 3), BF16, None, U8)] = None  # cp.async weight rings
+    out[(1040, 736, 64, md.MidConfig(4, 1, 2, 2, 4), F16, torch.float32, U8)] = None
+    out[(200, 96, 32, md.MidConfig(4, 1, 1, 1, 2), BF16, BF16, F16)] = None
     return list(out)
 
 
@@ -99,6 +102,7 @@ def test_kernel_rejects_bad_defines():
     (md.MidConfig(tiles=3), 64, 128, 64, "tiles"),
     (md.MidConfig(split_k=3), 64, 4096, 64, "split_k"),
     (md.MidConfig(unroll=3), 64, 4096, 64, "unroll"),
+    (md.MidConfig(ring=1), 64, 4096, 64, "ring"),
     (md.MidConfig(), 64, 48, 64, "multiple of 32"),
     (md.MidConfig(), 0, 128, 64, "N > 0"),
     (md.MidConfig(), 64, 128, 16, "m_bucket"),
@@ -300,12 +304,13 @@ def test_gpu_bias_alpha(out_dtype, bias_dtype):
 @requires_sm90
 @pytest.mark.parametrize("mb", md.M_BUCKETS)
 @pytest.mark.parametrize("w4a16", [False, True])
-def test_gpu_every_candidate_config(mb, w4a16):
+@pytest.mark.parametrize("ring", [False, True])
+def test_gpu_every_candidate_config(mb, w4a16, ring):
     n, k = 1040, 4064  # a partial 128-wide unit, N not a multiple of any tile
     m = mb - 5 if mb < 64 else 2 * mb + 3  # the widest bucket: three row slices
     qa, sa, qb, sb, alpha = _operands(m, n, k)
     x = (torch.randn(m, k, device="cuda") * 3).to(BF16)
-    for cfg in md.candidate_configs(n, k, mb, w4a16=w4a16):
+    for cfg in [c for c in md.candidate_configs(n, k, mb, w4a16=w4a16) if bool(c.ring) == ring]:
         if w4a16:
             _check(_run(x, qb, None, sb, alpha, cfg=cfg), x, nv.dequantize(qb, sb), alpha)
         else:
