@@ -252,51 +252,11 @@ dsv3_fused_a_gemm(const unsigned short* __restrict__ x, const unsigned short* __
     b += WARPS;
   }
 
-  // Warp partials -> shared memory.  acc[t][f] = D of rows t*16 + g (+8),
-  // columns mm = f*8 + 2*t4 (+1).
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-#pragma unroll
-    for (int f = 0; f < MF; ++f) {
-      const int r = t * 16 + g;
-      const int mm = f * 8 + 2 * t4;
-      red[warp][mm * ROWS + r] = acc[t][f][0];
-      red[warp][(mm + 1) * ROWS + r] = acc[t][f][1];
-      red[warp][mm * ROWS + r + 8] = acc[t][f][2];
-      red[warp][(mm + 1) * ROWS + r + 8] = acc[t][f][3];
-    }
-  }
+  // Warp partials -> shared memory, summed over warps and the cluster.
+  store_partials(red[warp], ROWS, 0, acc, g, t4);
   __syncthreads();
-
-  // Sum over warps in a fixed order; red[0] then holds the CTA's partial
-  // (each element is read and rewritten by the same thread).
-  for (int e = threadIdx.x; e < TILE; e += THREADS) {
-    float s = red[0][e];
-#pragma unroll
-    for (int v = 1; v < WARPS; ++v) s += red[v][e];
-    if (SPLIT == 1) {
-      const int mm = e / ROWS;
-      const int n = n0 + e % ROWS;
-      if (mm < m && (FULL_ROWS || n < N)) out[(long long)mm * N + n] = to_bf16(s);
-    } else {
-      red[0][e] = s;
-    }
-  }
-
-  if (SPLIT > 1) {
-    // Sum over the cluster's CTAs (ranks in a fixed order) through DSMEM; each
-    // CTA writes 1/SPLIT of the tile.
-    cluster_sync();
-    const int rank = (int)cluster_rank();
-    constexpr int PER = (TILE + SPLIT - 1) / SPLIT;
-    for (int e = rank * PER + threadIdx.x; e < (rank + 1) * PER && e < TILE; e += THREADS) {
-      float s = 0.f;
-#pragma unroll
-      for (int p = 0; p < SPLIT; ++p) s += load_peer_smem(&red[0][e], (u32)p);
-      const int mm = e / ROWS;
-      const int n = n0 + e % ROWS;
-      if (mm < m && (FULL_ROWS || n < N)) out[(long long)mm * N + n] = to_bf16(s);
-    }
-    cluster_sync();  // keep every CTA's shared memory alive until its peers have read it
-  }
+  reduce_partials<WARPS, TILE, ROWS, SPLIT, THREADS>(red, [&](int mm, int r, float s) {
+    const int n = n0 + r;
+    if (mm < m && (FULL_ROWS || n < N)) out[(long long)mm * N + n] = to_bf16(s);
+  });
 }

@@ -1,6 +1,7 @@
 // PTX helpers shared by the DSV3 fused-A kernels (dsv3_fused_a_gemm.cu, the
 // register kernel, and dsv3_fused_a_gemm_tma.cu, the TMA-ring kernel) and the
-// NVFP4 small-M kernel (nvfp4_gemv.cu).
+// NVFP4 kernels (nvfp4_gemv.cu, nvfp4_mid.cu), and the split-K epilogue of the
+// register-streaming ones.
 // Compiled at run time by NVRTC; no CUDA headers needed.
 #pragma once
 
@@ -17,6 +18,14 @@ struct alignas(16) V4 {
 // D (16 x 8, fp32) += A (16 x 16, bf16, row) * B (16 x 8, bf16, col)
 __device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The same with fp16 operands.
+__device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -56,6 +65,59 @@ __device__ __forceinline__ float load_peer_smem(const float* p, u32 rank) {
   float v;
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
   return v;
+}
+
+// One warp's accumulators acc[t][f] (the m16n8k16 D of tile rows
+// 16 (tile0 + t) + g (+ 8), activation rows 8 f + 2 t4 (+ 1)) into a partial
+// tile laid out red[activation row * stride + tile row].
+template <int NT, int MF>
+__device__ __forceinline__ void store_partials(float* red, int stride, int tile0, const float (&acc)[NT][MF][4],
+                                               int g, int t4) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+#pragma unroll
+    for (int f = 0; f < MF; ++f) {
+      const int r = (tile0 + t) * 16 + g;
+      const int mm = f * 8 + 2 * t4;
+      red[mm * stride + r] = acc[t][f][0];
+      red[(mm + 1) * stride + r] = acc[t][f][1];
+      red[mm * stride + r + 8] = acc[t][f][2];
+      red[(mm + 1) * stride + r + 8] = acc[t][f][3];
+    }
+  }
+}
+
+// The split-K epilogue of the kernels whose warps split K: the warps' partial
+// tiles red[w][0, TILE) (element e: activation row e / ROWS, tile row
+// e % ROWS) are summed in warp order; with SPLIT > 1 the CTAs of the cluster
+// then add those sums through DSMEM in rank order, each rank finishing
+// 1 / SPLIT of the tile.  store(mm, r, s) writes one finished sum.  A fixed
+// order everywhere: bit-reproducible.  Call after a __syncthreads.
+template <int WARPS, int TILE, int ROWS, int SPLIT, int THREADS, class Store>
+__device__ __forceinline__ void reduce_partials(float (*red)[TILE], Store store) {
+  // (each element is read and rewritten by the same thread)
+  for (int e = threadIdx.x; e < TILE; e += THREADS) {
+    float s = red[0][e];
+#pragma unroll
+    for (int v = 1; v < WARPS; ++v) s += red[v][e];
+    if (SPLIT == 1) {
+      store(e / ROWS, e % ROWS, s);
+    } else {
+      red[0][e] = s;
+    }
+  }
+  if (SPLIT > 1) {
+    cluster_sync();
+    const int rank = (int)cluster_rank();
+    constexpr int PER = (TILE + SPLIT - 1) / SPLIT;
+    for (int e = rank * PER + threadIdx.x; e < (rank + 1) * PER && e < TILE; e += THREADS) {
+      float s = 0.f;
+#pragma unroll
+      for (int p = 0; p < SPLIT; ++p) s += load_peer_smem(&red[0][e], (u32)p);
+      store(e / ROWS, e % ROWS, s);
+    }
+    cluster_sync();  // keep every CTA's shared memory alive until its peers have read it
+  }
 }
 
 }  // namespace fa_ptx

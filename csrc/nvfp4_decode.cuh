@@ -54,13 +54,6 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
   return d;
 }
 
-__device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // fp16x2 -> bf16x2, exact for the decoded weights (<= 7 significant bits, >= 2^-24).
 __device__ __forceinline__ u32 f16x2_to_bf16x2(u32 h2) {
   float lo, hi;
@@ -116,6 +109,32 @@ __device__ __forceinline__ void scale_pairs(u32 two, u32& lo, u32& hi) {
   const u32 d = e4m3x2_to_f16x2(two);
   lo = __byte_perm(d, 0, 0x1010);
   hi = __byte_perm(d, 0, 0x3232);
+}
+
+// 8 fp16 / bf16 activation values (16 bytes: k 8q .. 8q + 7) as the four
+// 32-bit pairs {k j, k j + 4} (j = 0..3) of decode8's order.
+__device__ __forceinline__ void act_pairs(const V4& v, u32* r) {
+  r[0] = __byte_perm(v.v[0], v.v[2], 0x5410);
+  r[1] = __byte_perm(v.v[0], v.v[2], 0x7632);
+  r[2] = __byte_perm(v.v[1], v.v[3], 0x5410);
+  r[3] = __byte_perm(v.v[1], v.v[3], 0x7632);
+}
+
+// Word q (k 8q .. 8q + 7 of the thread's 32) of a weight tile's rows g and
+// g + 8 (w0, w1: their 16-byte chunks), decoded with their scale pairs; for a
+// bf16 MMA (ACT 2) converted to bf16, exactly.
+template <int ACT>
+__device__ __forceinline__ void weight_word(const V4& w0, const V4& w1, int q, const u32 (&slo)[2],
+                                            const u32 (&shi)[2], u32 (&r0)[4], u32 (&r1)[4]) {
+  decode8(w0.v[q], q < 2 ? slo[0] : shi[0], r0);
+  decode8(w1.v[q], q < 2 ? slo[1] : shi[1], r1);
+  if (ACT == 2) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      r0[j] = f16x2_to_bf16x2(r0[j]);
+      r1[j] = f16x2_to_bf16x2(r1[j]);
+    }
+  }
 }
 
 // The MMA of an instantiation: f16 operands (W4A4, fp16 activation) or bf16

@@ -180,26 +180,8 @@ __device__ __forceinline__ void load_batch(Batch& b, const Operands& op, int bat
 __device__ __forceinline__ void act_word(const Batch& b, int i, int f, int q, u32 xlo, u32 xhi, u32* r) {
   if (ACT == 0) {
     decode8(b.x[i][f][0].v[q], q < 2 ? xlo : xhi, r);
-  } else {  // 16 bytes = k 8q .. 8q + 7 as pairs (0 1)(2 3)(4 5)(6 7)
-    const V4& v = b.x[i][f][q];
-    r[0] = __byte_perm(v.v[0], v.v[2], 0x5410);
-    r[1] = __byte_perm(v.v[0], v.v[2], 0x7632);
-    r[2] = __byte_perm(v.v[1], v.v[3], 0x5410);
-    r[3] = __byte_perm(v.v[1], v.v[3], 0x7632);
-  }
-}
-
-// The weight word q of both row halves of tile t, decoded (bf16 for G_ACT 2).
-__device__ __forceinline__ void weight_word(const Batch& b, int i, int t, int q, const u32 (&slo)[2],
-                                            const u32 (&shi)[2], u32 (&r0)[4], u32 (&r1)[4]) {
-  decode8(b.w[i][t][0].v[q], q < 2 ? slo[0] : shi[0], r0);
-  decode8(b.w[i][t][1].v[q], q < 2 ? slo[1] : shi[1], r1);
-  if (ACT == 2) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      r0[j] = f16x2_to_bf16x2(r0[j]);
-      r1[j] = f16x2_to_bf16x2(r1[j]);
-    }
+  } else {
+    act_pairs(b.x[i][f][q], r);
   }
 }
 
@@ -217,7 +199,7 @@ __device__ __forceinline__ void mma_batch_wide(float (&acc)[NT][MF][4], const Ba
     for (int q = 0; q < 4; ++q) {
       u32 r0[NT][4], r1[NT][4];
 #pragma unroll
-      for (int t = 0; t < NT; ++t) weight_word(b, i, t, q, slo[t], shi[t], r0[t], r1[t]);
+      for (int t = 0; t < NT; ++t) weight_word<ACT>(b.w[i][t][0], b.w[i][t][1], q, slo[t], shi[t], r0[t], r1[t]);
 #pragma unroll
       for (int f = 0; f < MF; ++f) {
         u32 xlo = 0u, xhi = 0u, xq[4];
@@ -264,7 +246,7 @@ __device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& 
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         u32 r0[4], r1[4];  // rows g and g + 8, k offsets 8q .. 8q + 7 of the chunk
-        weight_word(b, i, t, q, slo, shi, r0, r1);
+        weight_word<ACT>(b.w[i][t][0], b.w[i][t][1], q, slo, shi, r0, r1);
 #pragma unroll
         for (int s = 0; s < 2; ++s) {  // two k16 steps per word
 #pragma unroll
@@ -355,51 +337,12 @@ nvfp4_gemv(const unsigned char* __restrict__ a, const unsigned char* __restrict_
     bi += WARPS;
   }
 
-  // Warp partials -> shared memory.  acc[t][f] = D of rows t*16 + g (+8),
-  // columns mm = f*8 + 2*t4 (+1).
-#pragma unroll
-  for (int t = 0; t < NT; ++t) {
-#pragma unroll
-    for (int f = 0; f < MF; ++f) {
-      const int r = t * 16 + g;
-      const int mm = f * 8 + 2 * t4;
-      red[warp][mm * ROWS + r] = acc[t][f][0];
-      red[warp][(mm + 1) * ROWS + r] = acc[t][f][1];
-      red[warp][mm * ROWS + r + 8] = acc[t][f][2];
-      red[warp][(mm + 1) * ROWS + r + 8] = acc[t][f][3];
-    }
-  }
+  // Warp partials -> shared memory, summed over warps and the cluster.
+  store_partials(red[warp], ROWS, 0, acc, g, t4);
   __syncthreads();
   const float alpha = *alpha_ptr;
-
-  // Sum over warps in a fixed order; red[0] then holds the CTA's partial.
-  for (int e = threadIdx.x; e < TILE; e += THREADS) {
-    float s = red[0][e];
-#pragma unroll
-    for (int v = 1; v < WARPS; ++v) s += red[v][e];
-    if (SPLIT == 1) {
-      const int mm = e / ROWS;
-      const int n = n0 + e % ROWS;
-      if (mm < m && n < N) store_out(out, bias, alpha, mm, n, s);
-    } else {
-      red[0][e] = s;
-    }
-  }
-
-  if (SPLIT > 1) {
-    // Sum over the cluster's CTAs (ranks in a fixed order) through DSMEM; each
-    // CTA writes 1/SPLIT of the tile.
-    cluster_sync();
-    const int rank = (int)cluster_rank();
-    constexpr int PER = (TILE + SPLIT - 1) / SPLIT;
-    for (int e = rank * PER + threadIdx.x; e < (rank + 1) * PER && e < TILE; e += THREADS) {
-      float s = 0.f;
-#pragma unroll
-      for (int p = 0; p < SPLIT; ++p) s += load_peer_smem(&red[0][e], (u32)p);
-      const int mm = e / ROWS;
-      const int n = n0 + e % ROWS;
-      if (mm < m && n < N) store_out(out, bias, alpha, mm, n, s);
-    }
-    cluster_sync();  // keep every CTA's shared memory alive until its peers have read it
-  }
+  reduce_partials<WARPS, TILE, ROWS, SPLIT, THREADS>(red, [&](int mm, int r, float s) {
+    const int n = n0 + r;
+    if (mm < m && n < N) store_out(out, bias, alpha, mm, n, s);
+  });
 }

@@ -221,13 +221,7 @@ __device__ __forceinline__ void store_act_step(const ActRegs& ar, u32 stage, int
       for (int q = 0; q < 4; ++q) decode8(ar.x[j][0].v[q], q < 2 ? lo : hi, &d[4 * q]);
     } else {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {  // 16 bytes = k 8q .. 8q + 7 as pairs (0 4)(1 5)(2 6)(3 7), decode8's order
-        const V4& v = ar.x[j][q];
-        d[4 * q + 0] = __byte_perm(v.v[0], v.v[2], 0x5410);
-        d[4 * q + 1] = __byte_perm(v.v[0], v.v[2], 0x7632);
-        d[4 * q + 2] = __byte_perm(v.v[1], v.v[3], 0x5410);
-        d[4 * q + 3] = __byte_perm(v.v[1], v.v[3], 0x7632);
-      }
+      for (int q = 0; q < 4; ++q) act_pairs(ar.x[j][q], &d[4 * q]);
     }
     const u32 base = stage + (u32)(i * MB * ROW_SMEM);
 #pragma unroll
@@ -345,17 +339,7 @@ __device__ __forceinline__ void mma_step(float (&acc)[NTW][MF][4], const WRegs& 
     for (int q = 0; q < 4; ++q) {
       u32 r0[NTW][4], r1[NTW][4];  // rows g and g + 8 of each tile, k 8q .. 8q + 7 of the thread's 32
 #pragma unroll
-      for (int t = 0; t < NTW; ++t) {
-        decode8(wr.w[i][t][0].v[q], q < 2 ? slo[t][0] : shi[t][0], r0[t]);
-        decode8(wr.w[i][t][1].v[q], q < 2 ? slo[t][1] : shi[t][1], r1[t]);
-        if (ACT == 2) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            r0[t][e] = f16x2_to_bf16x2(r0[t][e]);
-            r1[t][e] = f16x2_to_bf16x2(r1[t][e]);
-          }
-        }
-      }
+      for (int t = 0; t < NTW; ++t) weight_word<ACT>(wr.w[i][t][0], wr.w[i][t][1], q, slo[t], shi[t], r0[t], r1[t]);
       const u32 word = stage + (u32)(i * MB * ROW_SMEM) + row0 + (u32)((q ^ flip) * 16);
 #pragma unroll
       for (int f = 0; f < MF; ++f) {
@@ -485,18 +469,7 @@ nvfp4_mid(const unsigned char* __restrict__ a, const unsigned char* __restrict__
   // acc[t][f] = D of rows (warp NTW + t) 16 + g (+8), columns f 8 + 2 t4 (+1).
   __syncthreads();
   float* red = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int t = 0; t < NTW; ++t) {
-#pragma unroll
-    for (int f = 0; f < MF; ++f) {
-      const int r = (warp * NTW + t) * 16 + g;
-      const int mm = f * 8 + 2 * t4;
-      red[mm * RED_STRIDE + r] = acc[t][f][0];
-      red[(mm + 1) * RED_STRIDE + r] = acc[t][f][1];
-      red[mm * RED_STRIDE + r + 8] = acc[t][f][2];
-      red[(mm + 1) * RED_STRIDE + r + 8] = acc[t][f][3];
-    }
-  }
+  store_partials(red, RED_STRIDE, warp * NTW, acc, g, t4);
   const float alpha = *alpha_ptr;
   constexpr int TILE = MB * BN;
   if (SPLIT == 1) {
