@@ -95,11 +95,17 @@ def can_implement(p: Problem) -> tuple[bool, str]:
     """``nvfp4_mm`` (W4A4) or ``nvfp4_w4a16_mm`` with an fp16 / bf16 activation,
     M <= 32 (W4A16: 16), K % 32 == 0, bf16/fp16 output, activation rows 16-byte aligned
     (any N)."""
+    return check_problem(p, MAX_M[bool(p.opt("w4a16"))])
+
+
+def check_problem(p: Problem, max_m: int) -> tuple[bool, str]:
+    """What the NVFP4 CUDA kernels (this one and ``nvfp4_mid``) need of a
+    call, with M <= ``max_m``."""
     w4a16 = bool(p.opt("w4a16"))
     if w4a16 and p.in_dtype not in (torch.float16, torch.bfloat16):
         return False, f"W4A16 needs an fp16 or bf16 activation, got {p.in_dtype}"
-    if p.m > MAX_M[w4a16]:
-        return False, f"needs M <= {MAX_M[w4a16]}{' (W4A16)' if w4a16 else ''}, got M={p.m}"
+    if p.m > max_m:
+        return False, f"needs M <= {max_m}{' (W4A16)' if w4a16 else ''}, got M={p.m}"
     if p.k % K_MULTIPLE != 0 or p.k <= 0:
         return False, f"needs K a positive multiple of {K_MULTIPLE}, got K={p.k}"
     if p.out_dtype not in OUT_DTYPES:
@@ -109,7 +115,7 @@ def can_implement(p: Problem) -> tuple[bool, str]:
         size = 2 if w4a16 else 0.5
         return False, (f"needs an activation row stride that is a multiple of 16 bytes, "
                        f"got {p.a_row_stride * size:g} bytes")
-    return True, f"M <= {MAX_M[w4a16]}, K % 32 == 0"
+    return True, f"M <= {max_m}, K % 32 == 0"
 
 
 # ----------------------------------------------------------------------------
@@ -314,17 +320,22 @@ def kernel_spec(n: int, k: int, m_bucket: int, cfg: GemvConfig, out_dtype: torch
                 bias_dtype: torch.dtype | None = None, act_dtype: torch.dtype = torch.uint8) -> jit.NvrtcKernelSpec:
     """The NVRTC spec of one instantiation (validated); ``act_dtype`` uint8
     (packed e2m1: W4A4) or fp16 / bf16 (W4A16)."""
-    if act_dtype not in ACT_CODES:
-        raise ValueError(f"act_dtype: expected uint8 (packed e2m1), fp16 or bf16, got {act_dtype}")
+    check_spec_dtypes(act_dtype, out_dtype, bias_dtype)
     ok, why = config_valid(cfg, n, k, m_bucket, act_dtype != torch.uint8)
     if not ok:
         raise ValueError(f"cfg: expected a valid config for N={n}, K={k}, M bucket {m_bucket}, got {cfg}: {why}")
+    return jit.NvrtcKernelSpec(KERNEL, _source(), arch=ARCH,
+                               defines=cfg.defines(n, k, m_bucket, out_dtype, bias_dtype, act_dtype))
+
+
+def check_spec_dtypes(act_dtype: torch.dtype, out_dtype: torch.dtype, bias_dtype: torch.dtype | None) -> None:
+    """The dtypes an NVFP4 CUDA kernel instantiation can take (raises ValueError)."""
+    if act_dtype not in ACT_CODES:
+        raise ValueError(f"act_dtype: expected uint8 (packed e2m1), fp16 or bf16, got {act_dtype}")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype: expected bf16 or fp16, got {out_dtype}")
     if bias_dtype not in BIAS_CODES:
         raise ValueError(f"bias_dtype: expected None, fp32, bf16 or fp16, got {bias_dtype}")
-    return jit.NvrtcKernelSpec(KERNEL, _source(), arch=ARCH,
-                               defines=cfg.defines(n, k, m_bucket, out_dtype, bias_dtype, act_dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -388,12 +399,7 @@ def gemv_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None
     >>> with scaledmm.use_backend("nvfp4", "cuda_gemv"):                  # doctest: +SKIP
     ...     out = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, one)
     """
-    out = nv.mm_output(a, b, out_dtype)
-    if a.shape[0] == 0 or b.shape[0] == 0:
-        return out
-    if not aligned(a, b):
-        return fallback(OP, nv.mm_problem(a, b, out_dtype, bias), a, b, a_scales, b_scales, alpha, out_dtype, bias)
-    return launch(a, b, a_scales, b_scales, alpha, bias, out, cfg)
+    return run_mm(launch, a, b, a_scales, b_scales, alpha, out_dtype, bias, cfg)
 
 
 def gemv_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None, cfg: GemvConfig | None = None):
@@ -410,13 +416,30 @@ def gemv_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None
     >>> with scaledmm.use_backend("nvfp4", "cuda_gemv"):                  # doctest: +SKIP
     ...     out = torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, one)
     """
+    return run_w4a16(launch, x, b, b_scales, weight_alpha, out_dtype, bias, cfg)
+
+
+def run_mm(launch_fn, a, b, a_scales, b_scales, alpha, out_dtype, bias, cfg):
+    """``nvfp4_mm`` through ``launch_fn`` (this module's or ``nvfp4_mid``'s
+    :func:`launch`): a fresh output, M = 0 / N = 0 without a launch, operands
+    that are not 16-byte aligned to :func:`fallback`."""
+    out = nv.mm_output(a, b, out_dtype)
+    if a.shape[0] == 0 or b.shape[0] == 0:
+        return out
+    if not aligned(a, b):
+        return fallback(OP, nv.mm_problem(a, b, out_dtype, bias), a, b, a_scales, b_scales, alpha, out_dtype, bias)
+    return launch_fn(a, b, a_scales, b_scales, alpha, bias, out, cfg)
+
+
+def run_w4a16(launch_fn, x, b, b_scales, weight_alpha, out_dtype, bias, cfg):
+    """``nvfp4_w4a16_mm`` through ``launch_fn``, as :func:`run_mm`."""
     out = nv.mm_output(x, b, out_dtype)
     if x.shape[0] == 0 or b.shape[0] == 0:
         return out
     if not aligned(x, b):
         return fallback(OP_W4A16, nv.w4a16_problem(x, b, out_dtype, bias), x, b, b_scales, weight_alpha,
-                         out_dtype, bias)
-    return launch(x, b, b_scales, b_scales, weight_alpha, bias, out, cfg)
+                        out_dtype, bias)
+    return launch_fn(x, b, b_scales, b_scales, weight_alpha, bias, out, cfg)
 
 
 # ----------------------------------------------------------------------------
@@ -424,9 +447,9 @@ def gemv_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None
 # ----------------------------------------------------------------------------
 
 
-def enabled_by_env() -> bool:
-    """True unless ``SCALEDMM_NVFP4_GEMV`` is set to ``0`` (or empty)."""
-    return os.environ.get(ENV_ENABLE, "1") not in ("", "0")
+def enabled_by_env(var: str = ENV_ENABLE) -> bool:
+    """True unless ``var`` (``SCALEDMM_NVFP4_GEMV``) is set to ``0`` (or empty)."""
+    return os.environ.get(var, "1") not in ("", "0")
 
 
 def sm90_priority(enabled: bool) -> list[str]:

@@ -36,14 +36,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import os
 from pathlib import Path
 
 import torch
 
 from scaledmm import backends, jit
 from scaledmm.backends import Backend, Family, Problem
-from scaledmm.ops import nvfp4 as nv
 from scaledmm.ops import nvfp4_gemv as gv
 
 FAMILY = Family.NVFP4
@@ -54,7 +52,7 @@ ENV_ENABLE = "SCALEDMM_NVFP4_MID"  # "0": not in the automatic priority list
 SOURCE = "nvfp4_mid.cu"
 KERNEL = "nvfp4_mid"
 ARCH = "sm_90a"
-K_MULTIPLE = 32
+K_MULTIPLE = gv.K_MULTIPLE
 M_BUCKETS = (32, 64)
 MAX_M = 127  # from 128 on: decode_cublas (measured, see TUNING)
 OUT_DTYPES = gv.OUT_DTYPES
@@ -81,21 +79,7 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
 def can_implement(p: Problem) -> tuple[bool, str]:
     """``nvfp4_mm`` or ``nvfp4_w4a16_mm`` (fp16 / bf16 activation), M <= 127,
     K % 32 == 0, bf16/fp16 output, activation rows 16-byte aligned."""
-    w4a16 = bool(p.opt("w4a16"))
-    if w4a16 and p.in_dtype not in (torch.float16, torch.bfloat16):
-        return False, f"W4A16 needs an fp16 or bf16 activation, got {p.in_dtype}"
-    if p.m > MAX_M:
-        return False, f"needs M <= {MAX_M}, got M={p.m}"
-    if p.k % K_MULTIPLE != 0 or p.k <= 0:
-        return False, f"needs K a positive multiple of {K_MULTIPLE}, got K={p.k}"
-    if p.out_dtype not in OUT_DTYPES:
-        return False, f"writes bf16 or fp16, got out_dtype={p.out_dtype}"
-    per_16_bytes = 8 if w4a16 else K_MULTIPLE
-    if p.m > 1 and p.a_row_stride % per_16_bytes != 0:
-        size = 2 if w4a16 else 0.5
-        return False, (f"needs an activation row stride that is a multiple of 16 bytes, "
-                       f"got {p.a_row_stride * size:g} bytes")
-    return True, f"M <= {MAX_M}, K % 32 == 0"
+    return gv.check_problem(p, MAX_M)
 
 
 # ----------------------------------------------------------------------------
@@ -283,15 +267,10 @@ def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200
 def kernel_spec(n: int, k: int, m_bucket: int, cfg: MidConfig, out_dtype: torch.dtype = torch.bfloat16,
                 bias_dtype: torch.dtype | None = None, act_dtype: torch.dtype = torch.uint8) -> jit.NvrtcKernelSpec:
     """The NVRTC spec of one instantiation (validated)."""
-    if act_dtype not in gv.ACT_CODES:
-        raise ValueError(f"act_dtype: expected uint8 (packed e2m1), fp16 or bf16, got {act_dtype}")
+    gv.check_spec_dtypes(act_dtype, out_dtype, bias_dtype)
     ok, why = config_valid(cfg, n, k, m_bucket, act_dtype != torch.uint8)
     if not ok:
         raise ValueError(f"cfg: expected a valid config for N={n}, K={k}, M bucket {m_bucket}, got {cfg}: {why}")
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype: expected bf16 or fp16, got {out_dtype}")
-    if bias_dtype not in gv.BIAS_CODES:
-        raise ValueError(f"bias_dtype: expected None, fp32, bf16 or fp16, got {bias_dtype}")
     return jit.NvrtcKernelSpec(KERNEL, _source(), arch=ARCH,
                                defines=cfg.defines(n, k, m_bucket, out_dtype, bias_dtype, act_dtype))
 
@@ -336,12 +315,7 @@ def mid_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None,
     >>> with scaledmm.use_backend("nvfp4", "cuda_mid"):                   # doctest: +SKIP
     ...     out = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, one)
     """
-    out = nv.mm_output(a, b, out_dtype)
-    if a.shape[0] == 0 or b.shape[0] == 0:
-        return out
-    if not gv.aligned(a, b):
-        return gv.fallback(OP, nv.mm_problem(a, b, out_dtype, bias), a, b, a_scales, b_scales, alpha, out_dtype, bias)
-    return launch(a, b, a_scales, b_scales, alpha, bias, out, cfg)
+    return gv.run_mm(launch, a, b, a_scales, b_scales, alpha, out_dtype, bias, cfg)
 
 
 def mid_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None, cfg: MidConfig | None = None):
@@ -357,13 +331,7 @@ def mid_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None,
     >>> with scaledmm.use_backend("nvfp4", "cuda_mid"):                   # doctest: +SKIP
     ...     out = torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, one)
     """
-    out = nv.mm_output(x, b, out_dtype)
-    if x.shape[0] == 0 or b.shape[0] == 0:
-        return out
-    if not gv.aligned(x, b):
-        return gv.fallback(OP_W4A16, nv.w4a16_problem(x, b, out_dtype, bias), x, b, b_scales, weight_alpha,
-                           out_dtype, bias)
-    return launch(x, b, b_scales, b_scales, weight_alpha, bias, out, cfg)
+    return gv.run_w4a16(launch, x, b, b_scales, weight_alpha, out_dtype, bias, cfg)
 
 
 # ----------------------------------------------------------------------------
@@ -373,7 +341,7 @@ def mid_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None,
 
 def enabled_by_env() -> bool:
     """True unless ``SCALEDMM_NVFP4_MID`` is set to ``0`` (or empty)."""
-    return os.environ.get(ENV_ENABLE, "1") not in ("", "0")
+    return gv.enabled_by_env(ENV_ENABLE)
 
 
 def with_backend(order: list[str], enabled: bool) -> list[str]:

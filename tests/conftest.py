@@ -19,6 +19,27 @@ settings.load_profile("default")
 from helpers import requires_cuda  # noqa: E402,F401  (tests import it from helpers)
 
 
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    """Automatic nvfp4 selection as on an sm90 device with NVRTC (no GPU
+    needed); the priority lists come back afterwards."""
+    from scaledmm import backends, jit
+    from scaledmm.backends import Family
+
+    monkeypatch.setattr(backends, "arch_key", lambda d: "sm90" if d.type == "cuda" else d.type)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(jit, "nvrtc_available", lambda: (True, "stub"))
+    monkeypatch.setattr(jit, "_driver", lambda: None)
+    monkeypatch.setattr(backends, "_AUTO_TABLES", {})
+    monkeypatch.delenv("SCALEDMM_NVFP4_BACKEND", raising=False)
+    saved = {k: list(v) for k, v in backends._PRIORITY[Family.NVFP4].items()}
+    backends._invalidate()
+    yield
+    backends._PRIORITY[Family.NVFP4].clear()
+    backends._PRIORITY[Family.NVFP4].update(saved)
+    backends._invalidate()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     # fresh random inputs every run, but reproducible within a run when a test fails

@@ -106,3 +106,14 @@ def cubin_usage(kernel) -> str:
     finally:
         os.unlink(f.name)
     return re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", out).group(0)
+
+
+def nvfp4_problem(m, n=4096, k=4096, out_dtype=torch.bfloat16, w4a16=False, stride=None, act=None):
+    """A ``nvfp4_mm`` (or, ``w4a16``, ``nvfp4_w4a16_mm``) dispatch problem on
+    ``cuda:0`` (no GPU needed): activation dtype ``act`` (uint8 / bf16 by
+    default), row stride ``stride`` elements (K by default)."""
+    from scaledmm.backends import Family, Problem
+
+    act = act if act is not None else torch.bfloat16 if w4a16 else torch.uint8
+    return Problem(Family.NVFP4, torch.device("cuda", 0), m, n, k, act, out_dtype,
+                   k if stride is None else stride, (("bias", False), ("w4a16", w4a16)))

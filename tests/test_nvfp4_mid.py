@@ -16,11 +16,11 @@ import re
 
 import pytest
 import torch
+from helpers import nvfp4_problem as _problem
 from helpers import poison_
 
 import scaledmm
 from scaledmm import backends, jit
-from scaledmm.backends import Family, Problem
 from scaledmm.ops import nvfp4 as nv
 from scaledmm.ops import nvfp4_cublas as dc
 from scaledmm.ops import nvfp4_gemv as gv
@@ -156,28 +156,6 @@ def test_prebuild_hook():
 # ----------------------------------------------------------------------------
 # Backend gating
 # ----------------------------------------------------------------------------
-
-
-def _problem(m, n=4096, k=4096, out_dtype=BF16, w4a16=False, stride=None, act=None):
-    act = act if act is not None else BF16 if w4a16 else U8
-    return Problem(Family.NVFP4, torch.device("cuda", 0), m, n, k, act, out_dtype,
-                   k if stride is None else stride, (("bias", False), ("w4a16", w4a16)))
-
-
-@pytest.fixture
-def fake_sm90(monkeypatch):
-    monkeypatch.setattr(backends, "arch_key", lambda d: "sm90" if d.type == "cuda" else d.type)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    monkeypatch.setattr(jit, "nvrtc_available", lambda: (True, "stub"))
-    monkeypatch.setattr(jit, "_driver", lambda: None)
-    monkeypatch.setattr(backends, "_AUTO_TABLES", {})
-    monkeypatch.delenv("SCALEDMM_NVFP4_BACKEND", raising=False)
-    saved = dict(backends._PRIORITY[Family.NVFP4])
-    backends._invalidate()
-    yield
-    backends._PRIORITY[Family.NVFP4].clear()
-    backends._PRIORITY[Family.NVFP4].update(saved)
-    backends._invalidate()
 
 
 def test_priority_after_the_gemv_and_the_m_ranges(fake_sm90):
