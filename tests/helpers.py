@@ -117,3 +117,22 @@ def nvfp4_problem(m, n=4096, k=4096, out_dtype=torch.bfloat16, w4a16=False, stri
     act = act if act is not None else torch.bfloat16 if w4a16 else torch.uint8
     return Problem(Family.NVFP4, torch.device("cuda", 0), m, n, k, act, out_dtype,
                    k if stride is None else stride, (("bias", False), ("w4a16", w4a16)))
+
+
+def run_under_interpreter(test_file: str, env: dict[str, str], drop: tuple[str, ...] = ()) -> None:
+    """Run ``test_file`` in a child pytest with ``TRITON_INTERPRET=1`` and ``env``
+    (without the variables in ``drop``); assert it passed and ran tests."""
+    import os
+    import subprocess
+    import sys
+
+    child_env = dict(os.environ, TRITON_INTERPRET="1", **env)
+    for name in drop:
+        child_env.pop(name, None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        os.path.abspath(test_file)], cwd=root, env=child_env, capture_output=True, text=True,
+                       timeout=900)
+    tail = r.stdout[-6000:] + "\n" + r.stderr[-3000:]
+    assert r.returncode == 0, tail
+    assert " passed" in r.stdout and " failed" not in r.stdout, tail

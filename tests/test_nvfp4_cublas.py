@@ -34,7 +34,7 @@ from scaledmm.backends import Family, Problem
 from scaledmm.ops import nvfp4 as nv
 from scaledmm.ops import nvfp4_cublas as dc
 from scaledmm.ops import nvfp4_triton as nt
-from helpers import opcheck, poison_, rel_err
+from helpers import opcheck, poison_, rel_err, run_under_interpreter
 
 CHILD = nt.interpreting()
 interp = pytest.mark.skipif(not CHILD, reason="runs under TRITON_INTERPRET=1 (test_interpreter_suite)")
@@ -90,15 +90,7 @@ def _poison_outputs(monkeypatch):
 
 @parent
 def test_interpreter_suite():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("SCALEDMM_NVFP4_BACKEND", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=900)
-    tail = r.stdout[-6000:] + "\n" + r.stderr[-3000:]
-    assert r.returncode == 0, tail
-    assert " passed" in r.stdout and " failed" not in r.stdout, tail
+    run_under_interpreter(__file__, {}, drop=("SCALEDMM_NVFP4_BACKEND",))
 
 
 # ----------------------------------------------------------------------------

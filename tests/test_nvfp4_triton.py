@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -36,7 +34,7 @@ import scaledmm
 from scaledmm.backends import Family, Problem
 from scaledmm.ops import nvfp4_triton as nt
 from scaledmm.ops import nvfp4_triton_quant as ntq
-from helpers import opcheck, poison_, rel_err
+from helpers import opcheck, poison_, rel_err, run_under_interpreter
 
 CHILD = os.environ.get("SCALEDMM_NVFP4_INTERP_CHILD") == "1"
 # GPU tests run in the main process only (the interpreter child would run them
@@ -134,14 +132,7 @@ def quantized(rows: int, k: int, device, scale: float = 1.0, gs: float = 1.0, dt
 
 @parent
 def test_interpreter_suite():
-    env = dict(os.environ, TRITON_INTERPRET="1", SCALEDMM_NVFP4_INTERP_CHILD="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__)], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=900)
-    tail = r.stdout[-6000:] + "\n" + r.stderr[-3000:]
-    assert r.returncode == 0, tail
-    assert " passed" in r.stdout and " failed" not in r.stdout, tail
+    run_under_interpreter(__file__, {"SCALEDMM_NVFP4_INTERP_CHILD": "1"})
 
 
 # ----------------------------------------------------------------------------
