@@ -277,6 +277,7 @@ def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w
     return GemvConfig(rows, 1, split, 1)
 
 
+@functools.lru_cache(maxsize=None)  # once per shape: every launch asks
 def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> GemvConfig:
     """The measured table's config (``TUNING`` / ``TUNING_W4A16``) or
     :func:`default_config`."""

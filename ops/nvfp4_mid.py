@@ -239,6 +239,7 @@ def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w
     return MidConfig(4, 1, 1, 1)
 
 
+@functools.lru_cache(maxsize=None)  # once per shape: every launch asks
 def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> MidConfig:
     """The measured table's config or :func:`default_config`."""
     cfg = (TUNING_W4A16 if w4a16 else TUNING).get((n, k), {}).get(m_bucket)
