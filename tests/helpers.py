@@ -136,3 +136,17 @@ def run_under_interpreter(test_file: str, env: dict[str, str], drop: tuple[str, 
     tail = r.stdout[-6000:] + "\n" + r.stderr[-3000:]
     assert r.returncode == 0, tail
     assert " passed" in r.stdout and " failed" not in r.stdout, tail
+
+
+def nvrtc_registers(spec) -> int:
+    """Compile a ``scaledmm.jit.NvrtcKernelSpec`` with ``ptxas -v``; assert it
+    gave a cubin with no spill stores; return its registers per thread."""
+    import io
+    import re
+
+    log = io.StringIO()
+    cubin = spec.compile(logs=log, ptxas_options="-v")
+    assert cubin[:4] == b"\x7fELF"
+    text = log.getvalue()
+    assert re.search(r"\b0 bytes spill stores", text), text
+    return int(re.search(r"Used (\d+) registers", text).group(1))
