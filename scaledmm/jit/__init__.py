@@ -17,11 +17,18 @@ Both share the same machinery:
   architecture, toolchain versions).
 * a disk cache under ``~/.cache/scaledmm`` (override with
   ``$SCALEDMM_CACHE_DIR``), one folder per (kind, name, key) holding the
-  artifact and a ``meta.json``;
+  artifact and a ``meta.json`` that records its size and sha256; the first
+  use in a process checks both (before the driver or ``dlopen`` sees the
+  file) and rebuilds an entry that does not match;
 * a file lock (:mod:`filelock`) per entry, so concurrent processes build once;
-* an INFO line on the ``"scaledmm"`` logger when a build starts and ends;
-* ``SCALEDMM_JIT_NO_BUILD=1`` turns a cache miss into :class:`BuildDisabledError`
-  (deployments ship a pre-built cache, see ``python -m scaledmm.jit build``).
+  a build works in a ``.tmp-<entry>-*`` folder renamed into place when
+  complete, and the next build in that folder removes those of killed builds;
+* an INFO line on the ``"scaledmm"`` logger when a build starts and ends, a
+  WARNING when a damaged entry is rebuilt;
+* ``SCALEDMM_JIT_NO_BUILD=1`` turns a cache miss or a damaged entry into
+  :class:`BuildDisabledError` (deployments ship a pre-built cache, see
+  ``python -m scaledmm.jit build``); a cache folder that is not a folder or
+  not writable (when something must be built) raises :class:`CacheDirError`.
 
 Command line::
 
@@ -44,6 +51,7 @@ from .core import (  # noqa: F401  (re-exports; the private names are used by op
     ENV_NVCC,
     _PREBUILD,
     BuildDisabledError,
+    CacheDirError,
     CompileError,
     JitError,
     _nvcc_version,
@@ -65,6 +73,7 @@ __all__ = [
     "JitError",
     "CompileError",
     "BuildDisabledError",
+    "CacheDirError",
     "cache_dir",
     "NvccLibrarySpec",
     "NvrtcKernelSpec",

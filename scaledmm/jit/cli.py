@@ -16,20 +16,31 @@ import sys
 import time
 from typing import Sequence
 
-from .core import (_PREBUILD, ENV_NO_BUILD, JitError, _nvcc_version, cache_dir, cached_entries, nvcc_path,
-                   nvrtc_available)
+from .core import (_PREBUILD, ENV_CACHE_DIR, ENV_NO_BUILD, CacheDirError, JitError, _nvcc_version, cache_dir,
+                   cached_entries, nvcc_path, nvrtc_available)
 
 
 def _cmd_status(args) -> int:
+    """List the entries; 1 when the cache folder is unusable or an entry is damaged."""
+    root = cache_dir()
     entries = cached_entries()
-    print(f"scaledmm jit cache: {cache_dir()}  ({len(entries)} entries, "
-          f"{sum(e['bytes'] for e in entries) / 1e6:.2f} MB)")
+    where = "" if root.is_dir() else "  (not created yet)"
+    if root.is_dir() and not os.access(root, os.W_OK):
+        where = "  (read-only: entries load, a miss or a damaged entry cannot be built)"
+    print(f"scaledmm jit cache: {root}  ({len(entries)} entries, "
+          f"{sum(e['bytes'] for e in entries) / 1e6:.2f} MB){where}")
     print(f"  nvcc: {nvcc_path() or 'not found'} ({_nvcc_version(nvcc_path())}); "
           f"NVRTC: {nvrtc_available()[1]}; {ENV_NO_BUILD}={os.environ.get(ENV_NO_BUILD, '')!r}")
     for e in entries:
         extra = e.get("defines") or ""
+        state = "" if e["state"] == "ok" else f"  DAMAGED: {e['problem']}"
         print(f"  {e.get('kind', '?'):<6} {e.get('name', '?'):<28} {str(e.get('key', '?'))[:16]}  "
-              f"{e['bytes'] / 1e3:9.1f} kB  {e.get('arch', '')}  {extra}")
+              f"{e['bytes'] / 1e3:9.1f} kB  {e.get('arch', '')}  {extra}{state}")
+    damaged = [e for e in entries if e["state"] != "ok"]
+    if damaged:
+        print(f"{len(damaged)} damaged entries: each is rebuilt on its next use (refused under {ENV_NO_BUILD}=1), "
+              f"or now with `python -m scaledmm.jit build ...`", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -38,7 +49,12 @@ def _cmd_build(args) -> int:
     for flag in _PREBUILD:
         value = getattr(args, flag.replace("-", "_"), None)
         if value:
-            specs += list(_PREBUILD[flag][0](value))
+            try:
+                specs += list(_PREBUILD[flag][0](value))
+            except (ValueError, KeyError) as e:
+                what = e if isinstance(e, ValueError) else f"unknown name {e}"
+                print(f"python -m scaledmm.jit build: --{flag} {value!r}: {what}", file=sys.stderr)
+                return 2
     if not specs:
         print("nothing to build: pass one of " + ", ".join(f"--{f}" for f in _PREBUILD), file=sys.stderr)
         return 2
@@ -50,6 +66,8 @@ def _cmd_build(args) -> int:
             path = spec.build()
             state = "cached" if was else f"built in {time.perf_counter() - t0:.1f} s"
             print(f"  {spec.name:<28} {spec.key[:16]}  {state}  {path}")
+        except CacheDirError:
+            raise  # the same for every spec: reported once by main
         except JitError as e:
             failed += 1
             print(f"  {spec.name:<28} FAILED: {e}", file=sys.stderr)
@@ -57,17 +75,23 @@ def _cmd_build(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m scaledmm.jit {status, build ...}``."""
+    """``python -m scaledmm.jit {status, build ...}``; errors are printed
+    (no traceback) and give a nonzero exit status."""
     import scaledmm  # noqa: F401  (registers the kernel families' prebuild hooks)
 
     parser = argparse.ArgumentParser(prog="python -m scaledmm.jit",
-                                     description="Inspect and pre-build scaledmm's run-time compiled kernels.")
+                                     description="Inspect and pre-build scaledmm's run-time compiled kernels.",
+                                     epilog=f"The cache folder is ${ENV_CACHE_DIR} or ~/.cache/scaledmm.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("status", help="list cache entries (kind, name, key, size)")
-    b = sub.add_parser("build", help="pre-build kernels into the cache")
+    sub.add_parser("status", help="list cache entries (kind, name, key, size, damaged ones); exit 1 if any is damaged")
+    b = sub.add_parser("build", help="pre-build kernels into the cache (damaged entries are rebuilt)")
     for flag, (_, help_) in _PREBUILD.items():
         b.add_argument(f"--{flag}", metavar="SPEC", help=help_)
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return _cmd_status(args) if args.cmd == "status" else _cmd_build(args)
+    try:
+        return _cmd_status(args) if args.cmd == "status" else _cmd_build(args)
+    except JitError as e:
+        print(f"python -m scaledmm.jit {args.cmd}: {e}", file=sys.stderr)
+        return 1

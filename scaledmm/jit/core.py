@@ -6,12 +6,14 @@ Standard library only (no torch, no CUDA import at module level)."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -28,6 +30,9 @@ ENV_NO_BUILD = "SCALEDMM_JIT_NO_BUILD"
 ENV_NVCC = "SCALEDMM_NVCC"
 _FORMAT = 1  # bump to invalidate every cache entry
 _LOCK_TIMEOUT_S = 1800.0
+_META = "meta.json"
+_TMP = ".tmp-"  # build folders: .tmp-<entry folder name>-<random, no '-'>
+_UNNAMED_TMP_AGE_S = 86400.0  # .tmp-<random> folders (no entry name, so no lock to probe) older than this are stale
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 _ARCH_RE = re.compile(r"^sm_(\d+)([af]?)$")
 
@@ -41,7 +46,11 @@ class CompileError(JitError):
 
 
 class BuildDisabledError(JitError):
-    """A cache miss while ``SCALEDMM_JIT_NO_BUILD=1``."""
+    """A cache miss, or a damaged entry, while ``SCALEDMM_JIT_NO_BUILD=1``."""
+
+
+class CacheDirError(JitError):
+    """The cache folder cannot be used: not a folder, not writable, cannot be created."""
 
 
 # ----------------------------------------------------------------------------
@@ -246,46 +255,276 @@ def _entry_dir(kind: str, name: str, key: str) -> Path:
     return cache_dir() / kind / f"{name}-{key[:24]}"
 
 
-def _locked_build(kind: str, name: str, key: str, artifact: str,
-                  build: Callable[[Path], dict[str, Any]], meta: dict[str, Any]) -> Path:
-    """Return ``<entry>/<artifact>``, building it under a file lock on a miss.
+def _cache_dir_error(e: OSError, doing: str) -> CacheDirError:
+    """``e`` (raised on a cache path) as an error naming the cache folder, what
+    is wrong with it and the variable that points elsewhere."""
+    root = cache_dir()
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):
+        what = "is not a folder (a file is in the way)"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        what = "is not writable"
+    elif e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "has no space left"
+    elif e.errno == errno.ENOENT:
+        what = "cannot be created"
+    else:
+        what = f"cannot be used ({e.strerror or e})"
+    at = f" [{e.filename}]" if e.filename and str(e.filename) != str(root) else ""
+    return CacheDirError(f"scaledmm.jit: the compile cache folder {root} {what}{at} while {doing}; "
+                         f"fix it or set {ENV_CACHE_DIR} to a writable folder")
 
-    ``build(tmpdir)`` writes ``tmpdir/artifact`` and returns extra metadata; the
-    folder is renamed into place only when complete, so a crash never leaves a
-    half-written entry behind.
+
+def _check_cache_root(doing: str = "looking for an entry") -> None:
+    """Raise :class:`CacheDirError` when the cache folder or its nearest
+    existing parent is not a folder (a miss could never be built there)."""
+    root = cache_dir()
+    for p in (root, *root.parents):
+        if os.path.lexists(p):
+            if not p.is_dir():
+                raise _cache_dir_error(OSError(errno.ENOTDIR, "Not a directory", str(p)), doing)
+            return
+
+
+def _on_cache_path(filename: Any) -> bool:
+    """Whether an OSError's file is the cache folder, inside it or one of its
+    parents (so the error is about the cache, not, say, the compiler)."""
+    if not filename:
+        return False
+    try:
+        path, root = Path(os.fsdecode(filename)).resolve(), cache_dir().resolve()
+    except (OSError, TypeError, ValueError):
+        return False
+    return path.is_relative_to(root) or root.is_relative_to(path)
+
+
+# Entries verified in this process, by path: (dev, inode, size, mtime, ctime)
+# when verified; a file changed since then has another signature and is hashed again.
+_VERIFIED: dict[str, tuple[int, ...]] = {}
+
+
+def _inspect(entry: Path, artifact: str, key: str | None = None,
+             read: bool = False) -> tuple[str, str, bytes | None]:
+    """``(state, why, data)`` of an entry: ``state`` is ``"ok"``, ``"missing"``
+    (no entry folder) or ``"damaged"`` (``why`` says how).  ``ok`` means the
+    artifact has the size and sha256 that ``meta.json`` recorded when it was
+    built.  With ``read``, ``data`` holds the artifact's bytes (those hashed),
+    so nothing can change them between the check and their use."""
+    target = entry / artifact
+    try:
+        st = os.stat(target)
+    except (FileNotFoundError, NotADirectoryError):
+        if os.path.lexists(entry):
+            return "damaged", f"{artifact} is missing", None
+        return "missing", "not built", None
+    except OSError as e:
+        raise _cache_dir_error(e, f"reading {target}") from e
+    sig = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if not read and _VERIFIED.get(str(target)) == sig:
+        return "ok", "", None
+    try:
+        meta = json.loads((entry / _META).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return "damaged", f"{_META} (its size and hash record) is missing", None
+    except (ValueError, UnicodeDecodeError):
+        return "damaged", f"{_META} is not valid JSON", None
+    except OSError as e:
+        raise _cache_dir_error(e, f"reading {entry / _META}") from e
+    size = meta.get("artifact_bytes") if isinstance(meta, dict) else None
+    digest = meta.get("artifact_sha256") if isinstance(meta, dict) else None
+    if not isinstance(size, int) or not isinstance(digest, str):
+        return "damaged", f"{_META} records no size and sha256 (built by an older scaledmm)", None
+    if key is not None and meta.get("key") != key:
+        return "damaged", f"{_META} records another key", None
+    if st.st_size != size:
+        return "damaged", f"{artifact} has {st.st_size} bytes, {size} were recorded when it was built", None
+    data = None
+    try:
+        if read:
+            data = target.read_bytes()
+            got, got_size = hashlib.sha256(data).hexdigest(), len(data)
+        else:
+            with open(target, "rb") as f:
+                got, got_size = hashlib.file_digest(f, "sha256").hexdigest(), os.fstat(f.fileno()).st_size
+    except FileNotFoundError:  # replaced under us by a concurrent rebuild
+        return "damaged", f"{artifact} vanished while being read", None
+    except OSError as e:
+        raise _cache_dir_error(e, f"reading {target}") from e
+    if got_size != size or got != digest:
+        return "damaged", f"sha256 of {artifact} differs from the one recorded when it was built", None
+    _VERIFIED[str(target)] = sig
+    return "ok", "", data
+
+
+def _entry_ok(kind: str, name: str, key: str, artifact: str) -> bool:
+    """Whether the entry is built and matches its record (builds nothing)."""
+    try:
+        return _inspect(_entry_dir(kind, name, key), artifact, key)[0] == "ok"
+    except CacheDirError:
+        return False
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or folder; folders on file systems that refuse it are skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _remove_stale_tmp(entry: Path) -> None:
+    """Remove the build folders of killed builds next to ``entry``.
+
+    A build holds its entry's file lock for as long as its ``.tmp-<entry>-*``
+    folder exists, so a folder whose entry lock can be taken now is stale
+    (the caller holds ``entry``'s own lock).  A folder without an entry name
+    has no lock to probe and is removed once it is a day old.
+    """
+    from filelock import FileLock, Timeout
+
+    try:
+        names = os.listdir(entry.parent)
+    except OSError:
+        return
+    for n in names:
+        if not n.startswith(_TMP):
+            continue
+        path = entry.parent / n
+        owner = n[len(_TMP):].rpartition("-")[0]
+        try:
+            if owner == entry.name:
+                _remove(path)
+            elif owner:
+                with FileLock(str(entry.parent / owner) + ".lock", timeout=0):
+                    _remove(path)
+            elif time.time() - path.lstat().st_mtime > _UNNAMED_TMP_AGE_S:
+                _remove(path)
+        except (Timeout, OSError):  # a live build (or a folder we cannot lock): leave it
+            continue
+
+
+def _build_into(entry: Path, kind: str, name: str, key: str, artifact: str,
+                build: Callable[[Path], dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Build in a temporary folder next to ``entry``, record the artifact's
+    size and sha256 in ``meta.json``, fsync, and rename the folder into place
+    (a damaged entry is first renamed aside).  The caller holds the locks."""
+    doing = f"building {kind} '{name}'"
+    t0 = time.perf_counter()
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP}{entry.name}-", dir=entry.parent))
+    except OSError as e:
+        raise _cache_dir_error(e, doing) from e
+    old = entry.parent / f"{_TMP}{entry.name}-{secrets.token_hex(4)}"
+    try:
+        try:
+            extra = build(tmp)
+        except OSError as e:
+            if _on_cache_path(e.filename):
+                raise _cache_dir_error(e, doing) from e
+            raise
+        art = tmp / artifact
+        if not art.is_file():
+            raise JitError(f"scaledmm.jit: {doing} wrote no {artifact}")
+        try:
+            with open(art, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+                size = os.fstat(f.fileno()).st_size
+                os.fsync(f.fileno())
+            info = dict(meta, kind=kind, name=name, key=key, artifact=artifact,
+                        artifact_bytes=size, artifact_sha256=digest,
+                        built_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                        build_seconds=round(time.perf_counter() - t0, 3), **(extra or {}))
+            with open(tmp / _META, "w", encoding="utf-8") as f:
+                f.write(json.dumps(info, indent=1, sort_keys=True, default=str))
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_path(tmp)
+            if os.path.lexists(entry):  # damaged or incomplete: out of the way in one rename
+                os.replace(entry, old)
+            os.replace(tmp, entry)
+            _fsync_path(entry.parent)
+        except OSError as e:
+            raise _cache_dir_error(e, doing) from e
+    finally:
+        for path in (tmp, old):
+            if os.path.lexists(path):
+                _remove(path)
+
+
+def _ensure_entry(kind: str, name: str, key: str, artifact: str, build: Callable[[Path], dict[str, Any]],
+                  meta: dict[str, Any], read: bool = False) -> tuple[Path, bytes | None]:
+    """``(<entry>/<artifact>, its bytes if read)``: verified against the size
+    and sha256 recorded when it was built, (re)built under a file lock when
+    missing or damaged.
+
+    ``build(tmpdir)`` writes ``tmpdir/artifact`` and returns extra metadata.
+    Verification is once per process per file unless the file changes.
     """
     entry = _entry_dir(kind, name, key)
     target = entry / artifact
-    if target.is_file():
-        return target
+    state, why, data = _inspect(entry, artifact, key, read)
+    if state == "ok":
+        return target, data
+    _check_cache_root()
     if _no_build():
+        if state == "missing":
+            raise BuildDisabledError(
+                f"scaledmm.jit: {kind} '{name}' (key {key[:16]}) is not in the cache {cache_dir()} and "
+                f"{ENV_NO_BUILD}=1 forbids building; pre-build it with `python -m scaledmm.jit build ...`")
         raise BuildDisabledError(
-            f"scaledmm.jit: {kind} '{name}' (key {key[:16]}) is not in the cache {cache_dir()} and "
-            f"{ENV_NO_BUILD}=1 forbids building; pre-build it with `python -m scaledmm.jit build ...`"
-        )
-    from filelock import FileLock
+            f"scaledmm.jit: {kind} '{name}' (key {key[:16]}) in the cache is damaged: {why} ({entry}); "
+            f"{ENV_NO_BUILD}=1 forbids rebuilding it; rebuild it with `python -m scaledmm.jit build ...` "
+            f"({ENV_NO_BUILD} unset), or delete {entry} and pre-build again")
+    from filelock import FileLock, Timeout
 
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with _entry_lock(entry), FileLock(str(entry) + ".lock", timeout=_LOCK_TIMEOUT_S):
-        if target.is_file():  # another process built it while we waited
-            return target
-        log.info("scaledmm.jit: building %s '%s' (key %s) into %s", kind, name, key[:16], entry)
-        t0 = time.perf_counter()
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
-        try:
-            extra = build(tmp)
-            info = dict(meta, kind=kind, name=name, key=key, artifact=artifact,
-                        built_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                        build_seconds=round(time.perf_counter() - t0, 3), **(extra or {}))
-            (tmp / "meta.json").write_text(json.dumps(info, indent=1, sort_keys=True, default=str))
-            if entry.exists():  # a stale, incomplete entry (no artifact): replace it
-                shutil.rmtree(entry, ignore_errors=True)
-            os.replace(tmp, entry)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-        log.info("scaledmm.jit: built %s '%s' in %.1f s", kind, name, time.perf_counter() - t0)
-    return target
+    lock_path = str(entry) + ".lock"
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with _entry_lock(entry), FileLock(lock_path, timeout=_LOCK_TIMEOUT_S):
+            state, why, data = _inspect(entry, artifact, key, read)
+            if state == "ok":  # another process built it while we waited
+                return target, data
+            if state == "damaged":
+                log.warning("scaledmm.jit: cache entry %s is damaged (%s); rebuilding", entry, why)
+            log.info("scaledmm.jit: building %s '%s' (key %s) into %s", kind, name, key[:16], entry)
+            t0 = time.perf_counter()
+            _remove_stale_tmp(entry)
+            _build_into(entry, kind, name, key, artifact, build, meta)
+            log.info("scaledmm.jit: built %s '%s' in %.1f s", kind, name, time.perf_counter() - t0)
+            state, why, data = _inspect(entry, artifact, key, read)
+    except Timeout as e:
+        raise JitError(f"scaledmm.jit: waited {_LOCK_TIMEOUT_S:.0f} s for {lock_path} "
+                       f"(another process building {kind} '{name}'?)") from e
+    except OSError as e:
+        if _on_cache_path(e.filename):  # creating the folders or the lock file
+            raise _cache_dir_error(e, f"building {kind} '{name}'") from e
+        raise
+    if state != "ok":
+        raise JitError(f"scaledmm.jit: {kind} '{name}' does not match its record right after building ({why}); "
+                       f"is something else writing to {entry}?")
+    return target, data
+
+
+def _locked_build(kind: str, name: str, key: str, artifact: str,
+                  build: Callable[[Path], dict[str, Any]], meta: dict[str, Any]) -> Path:
+    """``<entry>/<artifact>``, verified or (re)built (see :func:`_ensure_entry`)."""
+    return _ensure_entry(kind, name, key, artifact, build, meta)[0]
 
 
 def _normalize_defines(defines: Any) -> tuple[tuple[str, str], ...]:
@@ -357,18 +596,51 @@ def parse_shapes(value: str, flag: str) -> list[tuple[int, int]]:
 
 
 def cached_entries() -> list[dict[str, Any]]:
-    """Every complete entry of the cache: its ``meta.json`` plus path and size."""
+    """Every entry of the cache: its ``meta.json`` plus ``path``, ``bytes``
+    (the artifact's size), ``state`` (``"ok"`` or ``"damaged"``) and
+    ``problem`` (why it is damaged, else ``""``).  Hashes every artifact.
+
+    Raises
+    ------
+    CacheDirError
+        The cache folder exists but cannot be listed or is not a folder.
+
+    Examples
+    --------
+    >>> from scaledmm import jit
+    >>> [e["name"] for e in jit.cached_entries() if e["state"] == "damaged"]  # doctest: +SKIP
+    []
+    """
     root = cache_dir()
-    out = []
-    for meta in sorted(root.glob("*/*/meta.json")):
-        if meta.parent.name.startswith(".tmp-"):
-            continue
+    _check_cache_root("listing entries")
+    out: list[dict[str, Any]] = []
+    try:
+        kinds = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")) if root.is_dir() else []
+        folders = [e for d in kinds for e in sorted(d.iterdir()) if e.is_dir() and not e.name.startswith(".")]
+    except OSError as e:
+        raise _cache_dir_error(e, "listing entries") from e
+    for entry in folders:
         try:
-            info = json.loads(meta.read_text())
-        except Exception:
-            info = {"kind": meta.parent.parent.name, "name": meta.parent.name, "key": "?", "artifact": "?"}
-        art = meta.parent / str(info.get("artifact", ""))
-        info["path"] = str(meta.parent)
-        info["bytes"] = art.stat().st_size if art.is_file() else 0
+            info = json.loads((entry / _META).read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            info = None
+        if not isinstance(info, dict):
+            info = {}
+        name, _, key = entry.name.rpartition("-")
+        info.setdefault("kind", entry.parent.name)
+        info.setdefault("name", name)
+        info.setdefault("key", key)
+        artifact = info.get("artifact")
+        if not isinstance(artifact, str):
+            files = [f.name for f in entry.iterdir() if f.name != _META]
+            artifact = files[0] if len(files) == 1 else ""
+        art = entry / artifact
+        info["path"] = str(entry)
+        info["bytes"] = art.stat().st_size if artifact and art.is_file() else 0
+        if artifact:
+            state, why, _ = _inspect(entry, artifact)
+        else:
+            state, why = "damaged", f"no {_META} and no single artifact"
+        info["state"], info["problem"] = ("ok", "") if state == "ok" else ("damaged", why)
         out.append(info)
     return out

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .core import (ENV_NVCC, CompileError, JitError, _check_arch, _digest, _entry_dir, _file_digests, _FORMAT,
-                   _locked_build, _normalize_defines, _nvcc_version, _package_csrc, _PROCESS_LOCK, nvcc_path,
-                   source_closure)
+from .core import (ENV_NVCC, CompileError, JitError, _check_arch, _digest, _entry_dir, _entry_ok, _file_digests,
+                   _FORMAT, _locked_build, _normalize_defines, _nvcc_version, _package_csrc, _PROCESS_LOCK,
+                   nvcc_path, source_closure)
 
 # ----------------------------------------------------------------------------
 # nvcc -> shared library, loaded with ctypes
@@ -102,8 +102,9 @@ class NvccLibrarySpec:
         return _entry_dir("nvcc", self.name, self.key) / f"lib{self.name}.so"
 
     def cached(self) -> bool:
-        """Whether the library is already built in the cache (builds nothing)."""
-        return self.path.is_file()
+        """Whether the library is in the cache and matches the size and sha256
+        recorded when it was built (builds nothing)."""
+        return _entry_ok("nvcc", self.name, self.key, f"lib{self.name}.so")
 
     def command(self, output: str | Path) -> list[str]:
         """The ``nvcc`` command line that builds the library into ``output``."""
@@ -131,7 +132,11 @@ class NvccLibrarySpec:
         CompileError
             nvcc failed; the message holds the command and its output.
         BuildDisabledError
-            Not cached and ``SCALEDMM_JIT_NO_BUILD=1``.
+            Not cached, or cached but its size or sha256 differs from the
+            record made when it was built, and ``SCALEDMM_JIT_NO_BUILD=1``
+            (without it, such an entry is rebuilt).
+        CacheDirError
+            The cache folder is not a folder, not writable or cannot be created.
         """
         so = f"lib{self.name}.so"
 
@@ -148,7 +153,10 @@ class NvccLibrarySpec:
         return _locked_build("nvcc", self.name, self.key, so, build, {"arch": self.arch})
 
     def load(self) -> ctypes.CDLL:
-        """Build if needed and ``ctypes.CDLL`` the library (one handle per process)."""
+        """Build if needed and ``ctypes.CDLL`` the library (one handle per process).
+
+        The file is checked against its recorded size and sha256 before
+        ``dlopen``: a truncated library would be mapped and fault (SIGBUS)."""
         lib = _CDLLS.get(self.key)
         if lib is None:
             path = str(self.build())

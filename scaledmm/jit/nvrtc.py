@@ -13,9 +13,9 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .core import (CompileError, JitError, _check_arch, _digest, _entry_dir, _file_digests, _FORMAT, _hashable,
-                   _locked_build, _normalize_defines, _nvrtc_version, _package_csrc, _PROCESS_LOCK,
-                   cuda_include_dirs, nvrtc_available, source_closure)
+from .core import (CompileError, JitError, _check_arch, _digest, _ensure_entry, _entry_dir, _entry_ok,
+                   _file_digests, _FORMAT, _hashable, _normalize_defines, _nvrtc_version, _package_csrc,
+                   _PROCESS_LOCK, cuda_include_dirs, nvrtc_available, source_closure)
 
 # ----------------------------------------------------------------------------
 # NVRTC -> cubin, loaded and launched through the CUDA driver
@@ -154,8 +154,9 @@ class NvrtcKernelSpec:
         return _entry_dir("nvrtc", self.name, self.key) / f"{self.name}.cubin"
 
     def cached(self) -> bool:
-        """Whether the cubin is already in the cache (builds nothing)."""
-        return self.path.is_file()
+        """Whether the cubin is in the cache and matches the size and sha256
+        recorded when it was built (builds nothing)."""
+        return _entry_ok("nvrtc", self.name, self.key, f"{self.name}.cubin")
 
     def program_options(self, **overrides: Any):
         """The ``cuda.core.ProgramOptions`` this spec compiles with (``overrides``
@@ -191,8 +192,7 @@ class NvrtcKernelSpec:
                                f"({self.source_file}, defines {dict(self.defines)}):\n{e}") from e
         return bytes(obj.code)
 
-    def build(self) -> Path:
-        """Compile (once, under a file lock) and return the cubin's path."""
+    def _entry(self, read: bool = False) -> tuple[Path, bytes | None]:
         cubin = f"{self.name}.cubin"
 
         def build(tmp: Path) -> dict[str, Any]:
@@ -200,17 +200,29 @@ class NvrtcKernelSpec:
             return {"source": self.source_file, "defines": dict(self.defines),
                     "options": dict(self.options), "toolchain": _nvrtc_version()}
 
-        return _locked_build("nvrtc", self.name, self.key, cubin, build, {"arch": self.arch})
+        return _ensure_entry("nvrtc", self.name, self.key, cubin, build, {"arch": self.arch}, read=read)
+
+    def build(self) -> Path:
+        """Compile (once, under a file lock) and return the cubin's path.
+
+        A cached cubin whose size or sha256 differs from its record is
+        rebuilt (refused with :class:`BuildDisabledError` under
+        ``SCALEDMM_JIT_NO_BUILD=1``); an unusable cache folder raises
+        :class:`CacheDirError`."""
+        return self._entry()[0]
 
     def load(self) -> "CudaModule":
-        """Build if needed; the module (loaded on a device at first launch)."""
+        """Build if needed; the module (loaded on a device at first launch).
+
+        The driver gets exactly the bytes that were checked against the
+        entry's recorded sha256."""
         mod = _MODULES.get(self.key)
         if mod is None:
-            path = self.build()
+            path, cubin = self._entry(read=True)
             with _PROCESS_LOCK:
                 mod = _MODULES.get(self.key)
                 if mod is None:
-                    mod = _MODULES[self.key] = CudaModule(path.read_bytes(), str(path))
+                    mod = _MODULES[self.key] = CudaModule(cubin, str(path))
         return mod
 
     def kernel(self, fn: str | None = None) -> "CudaKernel":
