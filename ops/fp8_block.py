@@ -10,6 +10,7 @@ themselves as backends of the ``fp8_block`` family.
 from __future__ import annotations
 
 import importlib.resources
+import operator
 
 import torch
 
@@ -56,6 +57,19 @@ def quant_outputs(x: torch.Tensor, group_size: int, eps: float, column_major_sca
     return q, s
 
 
+def check_block_size(op: str, block_size) -> tuple[int, int]:
+    """``block_size`` as ``(bn, bk)``: two positive ints, else ``ValueError``."""
+    vals = None
+    try:
+        if len(block_size) == 2 and not any(isinstance(v, bool) for v in block_size):
+            vals = tuple(v if isinstance(v, torch.SymInt) else operator.index(v) for v in block_size)
+    except TypeError:  # not a sequence, or a non-integer entry
+        vals = None
+    if vals is None or not all(v > 0 for v in vals):
+        V.fail(op, "block_size", "two positive ints [bn, bk]", block_size)
+    return vals
+
+
 def check_mm_args(op: str, a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor,
                   b_scales: torch.Tensor, block_size: list[int], out_dtype: torch.dtype) -> bool:
     """Validate ``fp8_block_mm``-schema arguments.  Returns whether
@@ -66,9 +80,7 @@ def check_mm_args(op: str, a: torch.Tensor, b: torch.Tensor, a_scales: torch.Ten
     V.check_rank(op, "b", b, 2)
     V.check_inner_stride(op, "a", a)
     V.check_contiguous(op, "b", b)
-    if len(block_size) != 2 or any(int(x) <= 0 for x in block_size):
-        V.fail(op, "block_size", "two positive ints [bn, bk]", list(block_size))
-    bn, bk = block_size
+    bn, bk = check_block_size(op, block_size)
     V.check_dim(op, "b", b, 1, a.shape[1], "K = a.shape[1]")
     m, k = a.shape
     n = b.shape[0]
@@ -93,9 +105,7 @@ def check_linear_args(x, b, b_scales, block_size, out_dtype, bias) -> None:
     V.check_dtype(op, "b", b, FP8_DTYPE)
     V.check_rank(op, "b", b, 2)
     V.check_contiguous(op, "b", b)
-    if len(block_size) != 2 or any(int(v) <= 0 for v in block_size):
-        V.fail(op, "block_size", "two positive ints [bn, bk]", list(block_size))
-    bn, bk = block_size
+    bn, bk = check_block_size(op, block_size)
     V.check_dim(op, "b", b, 1, x.shape[1], "K = x.shape[1]")
     V.check_divisible(op, "x", x.shape[1], bk, "K = x.shape[1] (activation groups of bk)")
     n, k = b.shape
@@ -153,9 +163,12 @@ def quantize_weight(w: torch.Tensor, block_size=(128, 128)) -> tuple[torch.Tenso
     >>> q.dtype, tuple(s.shape)
     (torch.float8_e4m3fn, (3, 2))
     """
-    bn, bk = block_size
+    bn, bk = check_block_size("quantize_weight", block_size)
     n, k = w.shape
     nb, kb = V.ceil_div(n, bn), V.ceil_div(k, bk)
+    # A block larger than the weight is one block of the weight's size: the
+    # same scales, without allocating the whole block.
+    bn, bk = min(bn, max(n, 1)), min(bk, max(k, 1))
     wp = w.float().new_zeros((nb * bn, kb * bk))
     wp[:n, :k] = w.float()
     blocks = wp.reshape(nb, bn, kb, bk)
@@ -166,8 +179,14 @@ def quantize_weight(w: torch.Tensor, block_size=(128, 128)) -> tuple[torch.Tenso
 
 
 def _expand_block_scales(s: torch.Tensor, rows: int, cols: int, br: int, bc: int) -> torch.Tensor:
-    """``s[i // br, j // bc]`` as a dense ``[rows, cols]`` float32 tensor."""
-    return s.repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)[:, :cols]
+    """``s[i // br, j // bc]`` as a dense ``[rows, cols]`` float32 tensor.
+
+    Gathered by index, so nothing larger than ``[rows, cols]`` is allocated
+    whatever the block size (repeating each scale ``br`` times first would
+    allocate ``ceil(rows / br) * br`` rows: unbounded for a huge block)."""
+    ri = torch.arange(rows, device=s.device) // br
+    ci = torch.arange(cols, device=s.device) // bc
+    return s.index_select(0, ri).index_select(1, ci)
 
 
 def reference_mm(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
@@ -319,6 +338,10 @@ def _quant_impl(x, group_size=128, eps=1e-10, column_major_scales=False, scale_u
 
 def _mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
     col = check_mm_args("fp8_block_mm", a, b, a_scales, b_scales, block_size, out_dtype)
+    return _direct_mm(a, b, a_scales, b_scales, block_size, out_dtype, col)
+
+
+def _direct_mm(a, b, a_scales, b_scales, block_size, out_dtype, col):
     return run(problem(a, b, block_size, out_dtype, col), "fp8_block_mm",
                a, b, a_scales, b_scales, block_size, out_dtype)
 
@@ -363,6 +386,10 @@ def _padded_mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=t
     when the measured auto table ranks it first) reads the original rows: no
     copy, same result."""
     col = check_mm_args("padded_fp8_block_mm", a, b, a_scales, b_scales, block_size, out_dtype)
+    return _padded_mm(a, b, a_scales, b_scales, block_size, out_dtype, col)
+
+
+def _padded_mm(a, b, a_scales, b_scales, block_size, out_dtype, col):
     m = a.shape[0]
     mp = V.round_up(m, ALIGN_M)
     # Backends are checked at the padded M but ranked at the real one: the
@@ -376,9 +403,10 @@ def _padded_mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=t
 
 
 def _dynamic_padded_mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
+    col = check_mm_args("dynamic_padded_fp8_block_mm", a, b, a_scales, b_scales, block_size, out_dtype)
     if a.shape[0] % ALIGN_M == 0:
-        return _mm_impl(a, b, a_scales, b_scales, block_size, out_dtype)
-    return _padded_mm_impl(a, b, a_scales, b_scales, block_size, out_dtype)
+        return _direct_mm(a, b, a_scales, b_scales, block_size, out_dtype, col)
+    return _padded_mm(a, b, a_scales, b_scales, block_size, out_dtype, col)
 
 
 def _linear_impl(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None):
@@ -389,6 +417,8 @@ def _linear_impl(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16
 
 def composite_linear(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None):
     """fp8_block_linear as two ops (quantize, then GEMM in fp32 + bias)."""
+    # Each inner op selects its own backend, so a forced GEMM backend
+    # (use_backend, env) also runs the GEMM here.
     # column-major scales: what cuBLASLt and CUTLASS read (Triton reads both)
     q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, block_size[1], 1e-10, True)
     # M % 4 != 0: the padded op, which views q's spare rows (no copy) for an
@@ -436,7 +466,7 @@ backends.register(Backend(
     FAMILY, "composite",
     impls={"fp8_block_linear": composite_linear},
     is_supported=lambda d: (d.type == "cuda", "quantize op + GEMM op" if d.type == "cuda" else "GPU only"),
-    description="fp8_block_linear as per_token_group_quant_fp8 + fp8_block_mm, each auto-selected",
+    description="fp8_block_linear as per_token_group_quant_fp8 + fp8_block_mm, each selected as if called alone",
 ))
 # Measured auto-selection refinements (per shape and M bucket) for the H200.
 backends.load_auto_table(FAMILY, importlib.resources.files("scaledmm") / "tuning" / "fp8_block_sm90.json")

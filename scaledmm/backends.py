@@ -11,8 +11,11 @@ named backends.  A backend declares two predicates:
 Automatic selection walks a per-device priority list (fastest measured first)
 and takes the first backend for which both hold.  Users override the choice
 with the environment variable ``SCALEDMM_<FAMILY>_BACKEND=<name>`` or with the
-context manager :func:`use_backend`; an explicit backend that cannot run raises
-with its reason instead of silently falling back.
+context manager :func:`use_backend`.  The override applies to the ops the named
+backend implements; the family's other ops (a quantizer when the backend is a
+GEMM, say) run as if nothing was requested.  An explicit backend that
+implements the op but cannot run the call raises with its reason instead of
+silently falling back.
 
 This module is part of the core: it imports no op module.  Op modules call
 :func:`register` at import time.
@@ -48,6 +51,8 @@ __all__ = [
     "set_auto_table",
     "load_auto_table",
     "auto_order",
+    "requested",
+    "family_ops",
 ]
 
 
@@ -198,8 +203,11 @@ _PRIORITY: dict[Family, dict[str, list[str]]] = {
 # Op modules load them from scaledmm/tuning/<family>_<arch>.json.
 _AUTO_TABLES: dict[tuple[Family, str], dict[tuple[int, int], list[tuple[int, list[str]]]]] = {}
 
-_OVERRIDE: contextvars.ContextVar[dict[Family, str]] = contextvars.ContextVar(
-    "scaledmm_backend_override", default={}
+# Live use_backend blocks, innermost last: (family, name, entry).  Each block
+# removes its own entry (by identity) on exit, so blocks may end in any order
+# (ExitStack, generators, manual __enter__/__exit__) without disturbing others.
+_OVERRIDE: contextvars.ContextVar[tuple[tuple[Family, str, object], ...]] = contextvars.ContextVar(
+    "scaledmm_backend_override", default=()
 )
 
 
@@ -386,23 +394,54 @@ def auto_order(problem: Problem, table_m: int | None = None) -> list[str]:
     return base
 
 
+def _request(fam: Family) -> tuple[str | None, str | None]:
+    """``(name, source)`` of the explicit request for ``fam``: the innermost
+    live :func:`use_backend` block, else the environment variable.  ``name``
+    is None for automatic selection (``"auto"`` or nothing set); ``source`` is
+    ``"use_backend"``, the variable's name, or None."""
+    for f, name, _ in reversed(_OVERRIDE.get()):
+        if f is fam:
+            return (None if name == "auto" else name), "use_backend"
+    var = _ENV_VARS[fam]
+    name = os.environ.get(var, "").strip()
+    if not name or name == "auto":
+        return None, None
+    return name, var
+
+
 def requested(family: Family | str) -> str | None:
-    """The explicitly requested backend name (context manager, then env), if any."""
-    fam = family if isinstance(family, Family) else Family.parse(family)
-    name = _OVERRIDE.get().get(fam)
-    if name is None:
-        name = os.environ.get(_ENV_VARS[fam]) or None
-    if name == "auto":
-        return None
-    return name
+    """The explicitly requested backend name (innermost :func:`use_backend`
+    block, then the environment variable), or None for automatic selection.
+
+    The name is not validated here (an unknown name from the environment
+    raises when an op of the family selects).
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> with scaledmm.use_backend("fp8", "reference"):
+    ...     scaledmm.backends.requested("fp8")
+    'reference'
+    """
+    return _request(Family.parse(family))[0]
 
 
 @contextlib.contextmanager
 def use_backend(family: Family | str, name: str) -> Iterator[Backend | None]:
     """Force ``family`` to run on backend ``name`` inside the ``with`` block.
 
-    ``name="auto"`` restores automatic selection inside the block.  The choice
-    is read when an op runs (eagerly, or inside a compiled graph at run time).
+    The request applies to the ops that backend implements; the family's other
+    ops run as if nothing was requested (forcing a GEMM-only backend leaves the
+    quantizer and the fused linear op running).  An op the backend implements
+    but cannot run for the given call raises ``RuntimeError`` with the reason:
+    an explicit request never silently falls back.  ``name="auto"`` restores
+    automatic selection inside the block (also masking the environment
+    variable ``SCALEDMM_<FAMILY>_BACKEND``).  The innermost live block of a
+    family wins; blocks may be exited in any order, each one removing only its
+    own request.  The choice is read when an op runs (eagerly, or inside a
+    compiled graph at run time).
+
+    Raises ``ValueError`` listing the valid names for an unknown ``name``.
 
     Examples
     --------
@@ -412,18 +451,12 @@ def use_backend(family: Family | str, name: str) -> Iterator[Backend | None]:
     """
     fam = Family.parse(family)
     backend = None if name == "auto" else get(fam, name)  # validates the name now
-    current = dict(_OVERRIDE.get())
-    if name == "auto":
-        current.pop(fam, None)
-        # "auto" inside the block also masks the environment variable.
-        current[fam] = "auto"
-    else:
-        current[fam] = name
-    token = _OVERRIDE.set(current)
+    entry = (fam, name, object())
+    _OVERRIDE.set(_OVERRIDE.get() + (entry,))
     try:
         yield backend
     finally:
-        _OVERRIDE.reset(token)
+        _OVERRIDE.set(tuple(e for e in _OVERRIDE.get() if e is not entry))
 
 
 _RECORDERS: list[list[tuple[str, str, Problem]]] = []
@@ -463,37 +496,14 @@ def _invalidate() -> None:
 
 
 def select(problem: Problem, op: str, table_m: int | None = None) -> Backend:
-    """The backend that runs ``op`` for ``problem`` (see :func:`_select`).
+    """The backend that runs ``op`` for ``problem`` (see :func:`_select`):
+    the requested backend (:func:`use_backend`, ``SCALEDMM_<FAMILY>_BACKEND``)
+    when it implements ``op``, else automatic selection.
 
     ``table_m``: the M at which the measured auto table is read, when it
     differs from ``problem.m`` (the padded ops check backends against the
     padded M but rank them at the caller's M, where the table holds the
-    measured cost of padding)."""
-    name = requested(problem.family)
-    key = (problem, op, name, table_m)
-    try:
-        backend = _SELECTIONS.get(key)
-    except TypeError:  # an unhashable option value: no caching
-        key, backend = None, None
-    if backend is None:
-        backend = _select(problem, op, name, table_m)
-        if key is not None:
-            if len(_SELECTIONS) >= _SELECTIONS_MAX:
-                _SELECTIONS.clear()
-            _SELECTIONS[key] = backend
-    if _RECORDERS:
-        for log in _RECORDERS:
-            log.append((op, backend.name, problem))
-    return backend
-
-
-def _select(problem: Problem, op: str, name: str | None, table_m: int | None = None) -> Backend:
-    """The backend that runs ``op`` for ``problem``.
-
-    An explicit request (see :func:`use_backend`) is honoured or raises
-    ``RuntimeError`` with the backend's reason; otherwise the first backend of
-    the device's priority list that supports the device, implements ``op`` and
-    can implement the problem.
+    measured cost of padding).
 
     Examples
     --------
@@ -504,17 +514,53 @@ def _select(problem: Problem, op: str, name: str | None, table_m: int | None = N
     >>> select(p, "fp8_block_mm").name
     'reference'
     """
+    name, source = _request(problem.family)
+    key = (problem, op, name, table_m)
+    try:
+        backend = _SELECTIONS.get(key)
+    except TypeError:  # an unhashable option value: no caching
+        key, backend = None, None
+    if backend is None:
+        backend = _select(problem, op, name, table_m, source)
+        if key is not None:
+            if len(_SELECTIONS) >= _SELECTIONS_MAX:
+                _SELECTIONS.clear()
+            _SELECTIONS[key] = backend
+    if _RECORDERS:
+        for log in _RECORDERS:
+            log.append((op, backend.name, problem))
+    return backend
+
+
+def _unknown_name(fam: Family, name: str, source: str | None) -> str:
+    valid = ", ".join(_REGISTRY[fam]) or "<none registered>"
+    where = source or "backend"
+    return f"{where}: expected one of [{valid}] or 'auto' for family {fam.value!r}, got {name!r}"
+
+
+def _select(problem: Problem, op: str, name: str | None, table_m: int | None = None,
+            source: str | None = None) -> Backend:
+    """The backend that runs ``op`` for ``problem``.
+
+    An explicit request ``name`` (from ``source``: :func:`use_backend` or the
+    environment variable) applies when that backend implements ``op``: it is
+    returned, or ``RuntimeError`` raised with its reason when it cannot run
+    the problem.  Ops the requested backend does not implement, and calls
+    without a request, take the first backend of :func:`auto_order` that
+    supports the device, implements ``op`` and can implement the problem.  An
+    unknown ``name`` raises ``ValueError`` naming ``source`` and listing the
+    valid names.
+    """
     fam = problem.family
     if name is not None:
-        backend = get(fam, name)
-        if op not in backend.impls:
-            raise RuntimeError(
-                f"backend {fam.value}/{name} was requested but does not implement {op}"
-            )
-        ok, why = backend.check(problem)
-        if not ok:
-            raise RuntimeError(f"backend {fam.value}/{name} was requested but cannot run: {why}")
-        return backend
+        backend = _REGISTRY[fam].get(name)
+        if backend is None:
+            raise ValueError(_unknown_name(fam, name, source))
+        if op in backend.impls:
+            ok, why = backend.check(problem)
+            if not ok:
+                raise RuntimeError(f"backend {fam.value}/{name} was requested but cannot run: {why}")
+            return backend
     reasons = []
     for cand in auto_order(problem, table_m):
         backend = _REGISTRY[fam].get(cand)
@@ -529,8 +575,48 @@ def _select(problem: Problem, op: str, name: str | None, table_m: int | None = N
     )
 
 
+def family_ops(family: Family | str) -> list[str]:
+    """Op names implemented by some registered backend of ``family``.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> scaledmm.backends.family_ops("fp8")
+    ['fp8_scaled_mm', 'quant_fp8']
+    """
+    fam = Family.parse(family)
+    return sorted({op for b in _REGISTRY[fam].values() for op in b.impls})
+
+
+def _request_line(fam: Family) -> str:
+    """What the explicit request of ``fam`` does, for :func:`report`."""
+    name, source = _request(fam)
+    if source is None:
+        return "no request: every op auto-selected"
+    if name is None:
+        masked = os.environ.get(_ENV_VARS[fam], "").strip()
+        extra = f" (masks {_ENV_VARS[fam]}={masked!r})" if masked and masked != "auto" else ""
+        return f"use_backend({fam.value!r}, 'auto'){extra}: every op auto-selected"
+    backend = _REGISTRY[fam].get(name)
+    if backend is None:
+        valid = ", ".join(_REGISTRY[fam]) or "<none registered>"
+        return (f"INVALID {source}={name!r}: not a backend of {fam.value} (valid: {valid}, auto); "
+                f"every {fam.value} op raises ValueError until it is fixed")
+    ops = family_ops(fam)
+    forced = [o for o in ops if o in backend.impls]
+    auto = [o for o in ops if o not in backend.impls]
+    line = f"forced to {name!r} by {source} for {', '.join(forced) or '<no op>'}"
+    if auto:
+        line += f"; auto-selected for {', '.join(auto)}"
+    return line
+
+
 def report(file: Any = None) -> str:
-    """Print, for this machine, every backend and why it is or is not usable.
+    """Print, for this machine, every backend and why it is or is not usable,
+    and per family what an explicit request (``use_backend`` or
+    ``SCALEDMM_<FAMILY>_BACKEND``) does: the ops it forces, the ops left to
+    automatic selection, or an invalid name and the variable that holds it.
+    Never raises for a bad request.
 
     Returns the text as well.
 
@@ -550,12 +636,7 @@ def report(file: Any = None) -> str:
         out.write(f"== {label}\n")
         for fam in Family:
             order = priority(fam, dev)
-            req = requested(fam)
-            out.write(
-                f"  {fam.value}: auto order {order}"
-                + (f"; forced to {req!r} by {fam.env_var} / use_backend" if req else "")
-                + "\n"
-            )
+            out.write(f"  {fam.value}: auto order {order}; {_request_line(fam)}\n")
             for name, backend in _REGISTRY[fam].items():
                 ok, why = _supported_cached(backend, dev)
                 mark = "yes" if ok else "no "

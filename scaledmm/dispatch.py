@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import validation as _V
 from .ops import fp8_block as _fp8_block
 from .ops import skinny as _skinny
 
@@ -60,7 +61,10 @@ def fp8_block_mm(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_sca
     >>> scaledmm.fp8_block_mm(q, w, s, ws).shape
     torch.Size([3, 128])
     """
-    bs = [int(block_size[0]), int(block_size[1])]
+    # Only what is read here is checked here (the ops validate the rest).
+    bs = list(_fp8_block.check_block_size("fp8_block_mm", block_size))
+    _V.check_dtype("fp8_block_mm", "a", a, _fp8_block.FP8_DTYPE)
+    _V.check_rank("fp8_block_mm", "a", a, 2)
     m = a.shape[0]
     direct = torch.ops.scaledmm.fp8_block_mm
     padded = torch.ops.scaledmm.padded_fp8_block_mm

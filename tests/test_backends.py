@@ -107,9 +107,8 @@ def test_explicit_backend_that_cannot_run_raises_with_reason(fake_backends):
     with scaledmm.use_backend("fp8_block", "t_raises"):
         with pytest.raises(RuntimeError, match="support probe failed: ZeroDivisionError"):
             backends.select(_problem(), "fp8_block_mm")
-    with scaledmm.use_backend("fp8_block", "t_aligned"):  # does not implement the quant op
-        with pytest.raises(RuntimeError, match="does not implement per_token_group_quant_fp8"):
-            backends.select(_problem(), "per_token_group_quant_fp8")
+    with scaledmm.use_backend("fp8_block", "t_aligned"):  # not its op: auto-selected, no error
+        assert backends.select(_problem(), "per_token_group_quant_fp8").name == "reference"
 
 
 def test_report_lists_every_backend_and_reason(fake_backends, capsys):

@@ -297,6 +297,104 @@ def test_mm_opcheck(op):
         opcheck(getattr(torch.ops.scaledmm, op).default, (a, b, sa, sb, [128, 128], torch.float16))
 
 
+@pytest.mark.parametrize("op", MM_OPS + ["scaledmm.fp8_block_mm"])
+def test_mm_validates_before_reading_shapes(op):
+    """A 0-D or 1-D activation, or a short block_size, is a ValueError naming
+    the argument and the op called (the op, its fake and the Python entry)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a, b, sa, sb = make_mm_inputs(4, 32, 128)
+    f = scaledmm.fp8_block_mm if op.startswith("scaledmm.") else getattr(torch.ops.scaledmm, op)
+    name = op.removeprefix("scaledmm.")
+    for bad in (a[0, 0], a[0]):
+        with pytest.raises(ValueError, match=f"^{name}: a: expected a 2-D tensor"):
+            f(bad, b, sa, sb)
+    with pytest.raises(ValueError, match=f"^{name}: block_size: expected two positive ints"):
+        f(a, b, sa, sb, [128])
+    with FakeTensorMode():
+        fa, fb_, fsa, fsb = (torch.empty((), dtype=FP8), torch.empty(32, 128, dtype=FP8), torch.empty(4, 1),
+                             torch.empty(1, 1))
+        with pytest.raises(ValueError, match=f"^{name}: a: expected a 2-D tensor"):
+            f(fa, fb_, fsa, fsb)
+
+
+class _MaxNumel:
+    """Largest tensor any aten op creates inside the block (meta tensors:
+    sizes only, nothing allocated)."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        rec = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                rec.max = max([rec.max] + [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
+                return out
+
+        self.max = 0
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+HUGE = 2 ** 30
+
+
+@pytest.mark.parametrize("block", [(HUGE, HUGE), (HUGE, 128), (1, HUGE), (1, 1)])
+def test_reference_math_allocates_nothing_larger_than_its_operands(block):
+    """Block scales are expanded only to the operands' [rows, K], whatever the
+    block size (a block larger than the matrix used to allocate the whole
+    block).  Meta tensors: the old behaviour shows as a size, not an OOM."""
+    m, n, k = 3, 5, 200
+    kb, nb = math.ceil(k / block[1]), math.ceil(n / block[0])
+    meta = dict(device="meta")
+    a, b = torch.empty(m, k, dtype=FP8, **meta), torch.empty(n, k, dtype=FP8, **meta)
+    sa, sb = torch.empty(m, kb, **meta), torch.empty(nb, kb, **meta)
+    with _MaxNumel() as rec:
+        out = ops._reference_mm_f32(a, b, sa, sb, block)
+    assert out.shape == (m, n) and rec.max <= max(m, n) * k
+    with _MaxNumel() as rec:
+        q, s = ops.quantize_weight(torch.empty(n, k, **meta), block)
+    assert q.shape == (n, k) and s.shape == (nb, kb) and rec.max <= max(n * k, 128 * 256)
+
+
+@pytest.mark.parametrize("op", MM_OPS)
+def test_huge_block_size_runs_as_one_block(op):
+    """block_size [2**30, 2**30] on a small problem: one scale per row of a
+    (kb = 1) and one for all of b; float64 formula written out here."""
+    m, n, k = 3, 5, 200
+    a, b = rand_fp8((m, k)), rand_fp8((n, k))
+    sa, sb = torch.rand(m, 1) + 0.05, torch.rand(1, 1) + 0.05
+    out = getattr(torch.ops.scaledmm, op)(a, b, sa, sb, [HUGE, HUGE], torch.float32)
+    want = (a.double() @ b.double().t()) * sa.double() * sb.double()
+    assert rel_err(out, want) < 1e-6
+    # bn huge, bk = 128 through the fused linear op (K % bk == 0 there)
+    x = torch.randn(m, 256, dtype=torch.bfloat16)
+    w, ws = rand_fp8((n, 256)), torch.rand(1, 2) + 0.05
+    lin = torch.ops.scaledmm.fp8_block_linear(x, w, ws, [HUGE, 128], torch.float32)
+    q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, 128)
+    want = sum((q[:, j * 128:(j + 1) * 128].double() @ w[:, j * 128:(j + 1) * 128].double().t())
+               * s[:, j:j + 1].double() * ws[0, j].double() for j in range(2))
+    assert rel_err(lin, want) < 1e-6
+
+
+def test_quantize_weight_block_larger_than_weight_is_one_block():
+    w = torch.randn(200, 300)
+    q, s = ops.quantize_weight(w, (HUGE, HUGE))
+    q_same, s_same = ops.quantize_weight(w, (200, 300))
+    assert s.shape == (1, 1) and torch.equal(s, s_same) and torch.equal(q.view(torch.uint8), q_same.view(torch.uint8))
+    assert s.item() == pytest.approx(w.abs().max().item() / 448, rel=1e-6)
+    for bad in ([128], (0, 128), (128.0, 128), None):
+        with pytest.raises(ValueError, match="quantize_weight: block_size"):
+            ops.quantize_weight(w, bad)
+
+
 # --------------------------------------------------------------------------
 # fp8_block_linear
 # --------------------------------------------------------------------------
