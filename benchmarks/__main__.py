@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import FAMILIES
+from . import model as model_family
 from .harness import OpBench, Result, providers, run_bench
 from .machine import REPO_ROOT, environment, measure_ceilings
 from .report import header, markdown, summary, update_results_file, write_csv
@@ -28,6 +29,7 @@ from .timing import TimingConfig
 
 RESULTS_FILE = REPO_ROOT / "benchmarks" / "RESULTS.md"
 QUICK_SHAPES = 2  # --quick keeps the first shapes of a family's default set
+WORKLOADS = ("model",)  # whole-model families: run on their own, not part of 'all'
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check and time scaledmm's backends against cuBLAS/torch baselines.",
         epilog=f"shape sets: {', '.join(SHAPE_SETS)}; default M sweep: {','.join(map(str, DEFAULT_M))}",
     )
-    p.add_argument("family", choices=(*FAMILIES, "all"), help="op family to benchmark ('all': every family)")
+    p.add_argument("family", choices=(*FAMILIES, *WORKLOADS, "all"),
+                   help="op family to benchmark ('all': every op family; 'model': decoder layers and generate)")
     p.add_argument("--shapes", help="comma list of shape-set names, NxK and K->N items (default: per family)")
     p.add_argument("--m", help="comma list of M values (default: the family's sweep)")
     p.add_argument("--providers", help="comma list of provider names to keep (default: all)")
@@ -52,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the GPU when there is one, else a CPU smoke run")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--list", action="store_true", help="list ops and providers on this machine, time nothing")
+    model_family.add_arguments(p)
     return p
 
 
@@ -86,6 +90,9 @@ def _ms(bench: OpBench, given: list[int] | None, device: torch.device, quick: bo
 
 def _list(family_modules, device: torch.device) -> None:
     for fam, module in family_modules:
+        if hasattr(module, "run_family"):
+            print(module.describe(device))
+            continue
         print(f"{fam}:")
         for bench in module.benches():
             ok, why = bench.available()
@@ -135,6 +142,9 @@ def _run(args, shapes, ms, keep, device) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     all_results: list[Result] = []
     for fam, module in modules:
+        if hasattr(module, "run_family"):  # a whole-model family runs its own loop and output
+            module.run_family(args, device, cfg, env, ceil, out_dir)
+            continue
         results: list[Result] = []
         notes: list[str] = []
         for bench in module.benches():

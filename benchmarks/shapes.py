@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["Shape", "SHAPE_SETS", "DEFAULT_M", "QUICK_M", "CPU_M", "parse_shapes", "parse_ms"]
+__all__ = ["Shape", "SHAPE_SETS", "DEFAULT_M", "QUICK_M", "CPU_M", "MODEL_M", "parse_shapes", "parse_ms"]
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -38,6 +38,8 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
     # DeepSeek-V3 linear layers (N x K), plus the 576-wide kv_a projection.
     "dsv3": _nk((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168),
                 (7168, 2048), (576, 7168)),
+    # DeepSeek-V3 dense decoder layer: fused q_a/kv_a, q_b, kv_b, o_proj, fused gate/up, down_proj.
+    "dsv3_dense": _nk((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (36864, 7168), (7168, 18432)),
     # Llama-3-8B: fused qkv, o_proj, fused gate/up, down_proj.
     "llama8b": _nk((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
     # DeepSeek-V3 fused-A style skinny projections, K -> N.
@@ -49,6 +51,8 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
 DEFAULT_M: tuple[int, ...] = (1, 2, 3, 4, 8, 16, 17, 32, 64, 128, 256, 1023, 1024, 4095, 4096, 8192)
 QUICK_M: tuple[int, ...] = (1, 3, 16, 128, 4096)
 CPU_M: tuple[int, ...] = (1, 3, 4, 17)
+# The model family (whole decoder layers): decode batch sizes up to a prefill chunk.
+MODEL_M: tuple[int, ...] = (1, 8, 64, 512, 4096)
 
 _NXK = re.compile(r"^(\d+)x(\d+)$")
 _K_TO_N = re.compile(r"^(\d+)->(\d+)$")
