@@ -244,12 +244,15 @@ def test_checkpoint_round_trip(per_channel, static, bias, n, k):
     back = layer.checkpoint_tensors()
     assert set(back) == set(t) and all(_same(back[key], t[key]) for key in t)
     assert all(back[key].data_ptr() != p.data_ptr() for key, p in layer.named_parameters() if key in back)
-    # the module's own state_dict route: __init__ + load_state_dict + process
+    # the module's own state_dict route: __init__ + load_state_dict (the padded
+    # layout); checkpoint tensors go through from_checkpoint
     other = Fp8Linear(k, n, bias, per_channel=per_channel, activation=layer.activation)
-    other.load_state_dict(t)
-    other.process_weights_after_loading()
+    other.load_state_dict(layer.state_dict())
     x = torch.randn(4, k, dtype=torch.bfloat16)
     assert torch.equal(other(x), layer(x))
+    if (n, k) != (layer.padded_out_features, layer.padded_in_features):
+        with pytest.raises(RuntimeError, match="size mismatch"):
+            Fp8Linear(k, n, bias, per_channel=per_channel, activation=layer.activation).load_state_dict(t)
     again = Fp8Linear.from_checkpoint(back)
     assert torch.equal(again(x), layer(x))
 
@@ -278,6 +281,9 @@ def test_checkpoint_scale_shapes_and_dtypes():
 BAD_CKPT = [
     ("tensors", lambda t: {**t, "weight_scale_inv": t["weight_scale"]}),
     ("tensors", lambda t: {k: v for k, v in t.items() if k != "weight_scale"}),
+    ("weight_scale", lambda t: {**t, "weight_scale": None}),
+    ("bias", lambda t: {**t, "bias": None}),
+    ("input_scale", lambda t: {**t, "input_scale": t["input_scale"].to("meta")}),
     ("weight", lambda t: {**t, "weight": t["weight"].float()}),
     ("weight", lambda t: {**t, "weight": t["weight"].reshape(-1)}),
     ("weight_scale", lambda t: {**t, "weight_scale": torch.ones(49)}),

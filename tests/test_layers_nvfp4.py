@@ -201,7 +201,9 @@ def test_compile_dynamic_matches_eager_one_graph():
 def test_bad_checkpoints_and_inputs():
     t, _ = modelopt_checkpoint(32, 64)
     cases = [
-        ("weight_scale", {k: v for k, v in t.items() if k != "weight_scale"}),
+        ("tensors", {k: v for k, v in t.items() if k != "weight_scale"}),
+        ("input_scale", dict(t, input_scale=None)),
+        ("bias", dict(t, bias=t["bias"].to("meta"))),
         ("weight", dict(t, weight=t["weight"].to(torch.int32))),
         ("weight", dict(t, weight=t["weight"].reshape(-1))),
         ("weight_scale", dict(t, weight_scale=t["weight_scale"][:, :2])),
@@ -231,7 +233,7 @@ def test_extra_repr():
                  "uint8[64, 64]", "swizzled e4m3[128, 8]"):
         assert part in text, text
     assert "w4a16" in repr(NvFp4Linear.from_checkpoint(t, use_w4a16=True))
-    assert "not processed" in repr(NvFp4Linear(64, 16))
+    assert "not loaded" in repr(NvFp4Linear(64, 16))
 
 
 @requires_cuda

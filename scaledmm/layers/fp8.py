@@ -17,6 +17,7 @@ from torch import nn
 from scaledmm import validation as V
 from scaledmm.ops import fp8 as ops
 from scaledmm.oplib import FP8_DTYPE
+from scaledmm.layers._state import QuantizedLinearBase, checkpoint_entries
 from scaledmm.layers.rows import as_rows, from_rows
 
 __all__ = ["Fp8Linear", "ACTIVATIONS"]
@@ -29,20 +30,25 @@ CHECKPOINT_KEYS = ("weight", "weight_scale", "input_scale", "bias")
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # checkpoints store either; held as float32
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(QuantizedLinearBase):
     """Linear layer with an e4m3 weight and float32 scales.
 
-    Parameters follow the usual FP8 checkpoint convention: ``weight`` (e4m3
-    ``[N, K]``), ``weight_scale`` (float32, one element for per-tensor or
-    ``[N]`` for per-channel scales; the multiplier that decodes the codes),
+    Checkpoints follow the usual FP8 convention: ``weight`` (e4m3 ``[N,
+    K]``), ``weight_scale`` (float32, one element for per-tensor or ``[N]``
+    for per-channel scales; the multiplier that decodes the codes),
     ``input_scale`` (float32 one element, static activations only) and an
     optional ``bias`` (held in ``out_dtype``, so cuBLAS fuses it).
 
-    After :meth:`process_weights_after_loading` the weight is ``[Np, Kp]``
-    (N, K rounded up to multiples of 16, zero codes), per-channel scales are
-    ``[Np]`` (padded with 1.0), per-tensor scales ``[1]`` and the bias
-    ``[Np]`` (zeros).  :meth:`checkpoint_tensors` gives back the logical
-    tensors.
+    The layer holds them padded, in the layout the GEMM reads, from
+    construction on: the weight is ``[Np, Kp]`` (N, K rounded up to
+    multiples of 16, zero codes), per-channel scales are ``[Np]`` (padded
+    with 1.0), per-tensor scales and ``input_scale`` ``[1]`` and the bias
+    ``[Np]`` (zeros).  :meth:`from_checkpoint` lays checkpoint tensors out
+    so; :meth:`checkpoint_tensors` gives back the logical ones.
+    ``state_dict()`` holds the padded tensors, so a fresh (or meta-built
+    then ``to_empty``) layer of the same arguments loads it exactly.
+    ``.to(dtype)`` / ``.half()`` keep the weight and scales; a float
+    conversion sets ``out_dtype`` (and the bias) to bf16, fp16 or fp32.
 
     Parameters
     ----------
@@ -89,17 +95,19 @@ class Fp8Linear(nn.Module):
         self.out_dtype = out_dtype
         self.per_channel = bool(per_channel)
         self.activation = activation
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
-                                   requires_grad=False)
-        scale_shape = (out_features,) if per_channel else ()
-        self.weight_scale = nn.Parameter(torch.ones(scale_shape, dtype=torch.float32, device=device),
-                                         requires_grad=False)
+        np_, kp = self.padded_out_features, self.padded_in_features
+
+        def param(t):
+            return nn.Parameter(t, requires_grad=False)
+
+        self.weight = param(torch.zeros(np_, kp, dtype=FP8_DTYPE, device=device))  # e4m3 0x00 == +0.0
+        self.weight_scale = param(torch.ones(np_ if per_channel else 1, dtype=torch.float32, device=device))
         if activation == "static":
-            self.input_scale = nn.Parameter(torch.ones((), dtype=torch.float32, device=device), requires_grad=False)
+            self.input_scale = param(torch.ones(1, dtype=torch.float32, device=device))
         else:
             self.register_parameter("input_scale", None)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, dtype=out_dtype, device=device), requires_grad=False)
+            self.bias = param(torch.zeros(np_, dtype=out_dtype, device=device))
         else:
             self.register_parameter("bias", None)
         self._processed = False
@@ -165,13 +173,11 @@ class Fp8Linear(nn.Module):
         (True, 'dynamic', (32, 48))
         """
         op = "Fp8Linear.from_checkpoint"
+        t = checkpoint_entries(op, tensors, ("weight", "weight_scale"), ("input_scale", "bias"))
         unknown = sorted(set(tensors) - set(CHECKPOINT_KEYS))
         if unknown:
             V.fail(op, "tensors", f"keys among {list(CHECKPOINT_KEYS)}", f"unknown keys {unknown}")
-        for key in ("weight", "weight_scale"):
-            if key not in tensors:
-                V.fail(op, "tensors", f"a {key!r} entry", f"keys {sorted(tensors)}")
-        w, ws = tensors["weight"], tensors["weight_scale"]
+        w, ws = t["weight"], t["weight_scale"]
         V.check_dtype(op, "weight", w, FP8_DTYPE)
         V.check_rank(op, "weight", w, 2)
         n, k = w.shape
@@ -183,7 +189,7 @@ class Fp8Linear(nn.Module):
         else:
             V.fail(op, "weight_scale", f"one element (per-tensor) or shape ({n},) / ({n}, 1) (per-channel)",
                    f"shape {tuple(ws.shape)}")
-        in_s = tensors.get("input_scale")
+        in_s = t.get("input_scale")
         if in_s is not None:
             V.check_dtype(op, "input_scale", in_s, _SCALE_DTYPES)
             if in_s.numel() != 1:
@@ -192,20 +198,19 @@ class Fp8Linear(nn.Module):
             activation = "static" if in_s is not None else "dynamic"
         if activation == "static" and in_s is None:
             V.fail(op, "input_scale", "a one-element tensor for activation='static'", "no 'input_scale' entry")
-        bias = tensors.get("bias")
+        bias = t.get("bias")
         if bias is not None:
             V.check_dtype(op, "bias", bias, V.FLOAT_OUT_DTYPES)
             V.check_shape(op, "bias", bias, (n,), "N = weight.shape[0]")
-        V.check_same_device(op, weight=w, weight_scale=ws, input_scale=in_s, bias=bias)
         layer = cls(k, n, bias is not None, device=w.device, out_dtype=out_dtype, per_channel=per_channel,
                     activation=activation)
         with torch.no_grad():
-            layer.weight.copy_(w)
-            layer.weight_scale.copy_(ws.reshape(layer.weight_scale.shape))
+            layer.weight.view(torch.uint8)[:n, :k].copy_(w.view(torch.uint8))
+            layer.weight_scale[:n if per_channel else 1].copy_(ws.reshape(-1))
             if activation == "static":
-                layer.input_scale.copy_(in_s.reshape(()))
+                layer.input_scale.copy_(in_s.reshape(1))
             if bias is not None:
-                layer.bias.copy_(bias)
+                layer.bias[:n].copy_(bias)
         layer.process_weights_after_loading()
         return layer
 
@@ -232,43 +237,25 @@ class Fp8Linear(nn.Module):
             out["bias"] = self.bias.detach()[:n].clone()
         return out
 
-    @torch.no_grad()
-    def process_weights_after_loading(self) -> None:
-        """Lay the loaded tensors out once for ``fp8_scaled_mm``; idempotent.
-
-        Weight: e4m3 ``[Np, Kp]`` contiguous, zero codes in the padding.
-        ``weight_scale``: ``[1]`` or ``[Np]`` (padding 1.0), float32.
-        ``input_scale``: ``[1]``.  ``bias``: ``[Np]`` in ``out_dtype`` (zeros).
-        After this, ``forward`` reads these tensors in place.
-        """
-        if self._processed:
-            return
+    def _check_layout(self) -> None:
         op = "Fp8Linear.process_weights_after_loading"
-        n, k = self.out_features, self.in_features
         np_, kp = self.padded_out_features, self.padded_in_features
-        w = self.weight.detach()
-        V.check_dtype(op, "weight", w, FP8_DTYPE)
-        V.check_shape(op, "weight", w, (n, k), "out_features, in_features")
-        if (np_, kp) != (n, k):
-            wp = torch.zeros((np_, kp), dtype=torch.uint8, device=w.device)  # e4m3 0x00 == +0.0
-            wp[:n, :k] = w.view(torch.uint8)
-            w = wp.view(FP8_DTYPE)
-        self.weight = nn.Parameter(w.contiguous(), requires_grad=False)
-        ws = self.weight_scale.detach().float()
-        if self.per_channel:
-            wsp = torch.ones(np_, dtype=torch.float32, device=ws.device)
-            wsp[:n] = ws.reshape(n)
-        else:
-            wsp = ws.reshape(1).clone()
-        self.weight_scale = nn.Parameter(wsp, requires_grad=False)
+        layout = "the padded layout; build from checkpoint tensors with from_checkpoint"
+        V.check_dtype(op, "weight", self.weight, FP8_DTYPE)
+        V.check_shape(op, "weight", self.weight, (np_, kp), f"Np, Kp: {layout}")
+        V.check_dtype(op, "weight_scale", self.weight_scale, torch.float32)
+        V.check_shape(op, "weight_scale", self.weight_scale, (np_ if self.per_channel else 1,), layout)
         if self.input_scale is not None:
-            self.input_scale = nn.Parameter(self.input_scale.detach().float().reshape(1).clone(),
-                                            requires_grad=False)
+            V.check_dtype(op, "input_scale", self.input_scale, torch.float32)
+            V.check_shape(op, "input_scale", self.input_scale, (1,), layout)
         if self.bias is not None:
-            bp = torch.zeros(np_, dtype=self.out_dtype, device=self.bias.device)
-            bp[:n] = self.bias.detach()
-            self.bias = nn.Parameter(bp, requires_grad=False)
-        self._processed = True
+            V.check_shape(op, "bias", self.bias, (np_,), layout)
+
+    def _derive(self) -> None:
+        # Nothing is precomputed; the GEMM reads contiguous operands.
+        for p in (self.weight, self.weight_scale, self.input_scale, self.bias):
+            if p is not None and not p.is_contiguous():
+                p.data = p.data.contiguous()
 
     # ------------------------------------------------------------------
     # Forward
@@ -276,8 +263,8 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._processed:
-            raise RuntimeError("Fp8Linear: call process_weights_after_loading() before forward "
-                               "(from_float / from_checkpoint do it)")
+            raise RuntimeError("Fp8Linear: load the tensors first (from_float, from_checkpoint, "
+                               "load_state_dict or process_weights_after_loading)")
         k, n = self.in_features, self.out_features
         if x.dim() < 1 or x.shape[-1] != k:
             V.fail("Fp8Linear", "x", f"last dim of size {k} (in_features)", f"shape {tuple(x.shape)}")
@@ -295,8 +282,9 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         scales = "per-channel" if self.per_channel else "per-tensor"
-        layout = (f"weight=e4m3[{self.padded_out_features}, {self.padded_in_features}] (padded to 16)"
-                  if self._processed else "unprocessed")
+        layout = f"weight=e4m3[{self.padded_out_features}, {self.padded_in_features}] (padded to 16)"
+        if not self._processed:
+            layout += ", not loaded"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, weight_scale={scales}, activation={self.activation}, "
                 f"out_dtype={self.out_dtype}, {layout}")

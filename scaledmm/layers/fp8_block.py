@@ -10,19 +10,29 @@ from torch import nn
 from scaledmm import validation as V
 from scaledmm.ops import fp8_block as ops
 from scaledmm.oplib import FP8_DTYPE
+from scaledmm.layers._state import QuantizedLinearBase, checkpoint_entries
 from scaledmm.layers.rows import as_rows, from_rows
 
 __all__ = ["Fp8BlockLinear"]
 
 
-class Fp8BlockLinear(nn.Module):
+class Fp8BlockLinear(QuantizedLinearBase):
     """Linear layer with an e4m3 weight scaled per ``bn x bk`` block.
 
     Parameters are held in the DeepSeek-V3 checkpoint convention: ``weight``
-    (e4m3 ``[N, K]``), ``weight_scale_inv`` (fp32 ``[ceil(N/bn), ceil(K/bk)]``,
-    the multiplier that decodes the codes) and an optional ``bias``.  The
-    forward quantizes the activation per token and ``bk``-group and runs the
-    block GEMM, in one op (``fp8_block_linear``).
+    (e4m3 ``[N, Kp]``, K padded with zero codes to ``Kp = round_up(K, bk)``),
+    ``weight_scale_inv`` (fp32 ``[ceil(N/bn), ceil(K/bk)]``, the multiplier
+    that decodes the codes, rows strided by a multiple of 4) and an optional
+    ``bias``.  The forward quantizes the activation per token and
+    ``bk``-group and runs the block GEMM, in one op (``fp8_block_linear``).
+
+    The layer is built in that layout, so ``state_dict()`` /
+    ``load_state_dict`` round-trip it exactly (a fresh, or meta-built then
+    ``to_empty``, layer of the same arguments loads it; ``weight_scale_inv``
+    in the state dict is a strided view: ``.contiguous()`` it for
+    safetensors).  ``.to(dtype)`` / ``.half()`` keep the weight and scales;
+    a float conversion to bf16 or fp16 sets ``out_dtype`` (and the bias) to
+    it, other dtypes leave the layer as it is.
 
     Parameters
     ----------
@@ -46,6 +56,8 @@ class Fp8BlockLinear(nn.Module):
     torch.Size([3, 192])
     """
 
+    _OUT_DTYPES = V.HALF_DTYPES
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  block_size=(128, 128), out_dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
@@ -55,14 +67,17 @@ class Fp8BlockLinear(nn.Module):
         self.block_size = (int(block_size[0]), int(block_size[1]))
         self.out_dtype = out_dtype
         bn, bk = self.block_size
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+        kp = V.round_up(in_features, bk)
+        # K % bk != 0: zero weight codes up to Kp; the forward pads the activation.
+        self._k_pad = kp - in_features
+        self.weight = nn.Parameter(torch.zeros(out_features, kp, dtype=FP8_DTYPE, device=device),
                                    requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(
-            torch.ones(V.ceil_div(out_features, bn), V.ceil_div(in_features, bk), dtype=torch.float32,
-                       device=device), requires_grad=False)
+        scales = torch.ones(V.ceil_div(out_features, bn), V.ceil_div(in_features, bk), dtype=torch.float32,
+                            device=device)
+        self.weight_scale_inv = nn.Parameter(ops.pad_scale_rows(scales, 4), requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=out_dtype, device=device), requires_grad=False)
                      if bias else None)
-        self._k_pad = 0
+        self._processed = False
 
     @classmethod
     def from_float(cls, linear: nn.Linear, *, block_size=(128, 128),
@@ -101,50 +116,54 @@ class Fp8BlockLinear(nn.Module):
         64
         """
         op = "Fp8BlockLinear.from_checkpoint"
-        for key in ("weight", "weight_scale_inv"):
-            if key not in tensors:
-                V.fail(op, "tensors", f"a {key!r} entry", sorted(tensors))
-        w, s = tensors["weight"], tensors["weight_scale_inv"]
+        t = checkpoint_entries(op, tensors, ("weight", "weight_scale_inv"), ("bias",))
+        w, s, bias = t["weight"], t["weight_scale_inv"], t.get("bias")
         V.check_dtype(op, "weight", w, FP8_DTYPE)
         V.check_rank(op, "weight", w, 2)
         n, k = w.shape
-        bias = tensors.get("bias")
-        layer = cls(k, n, bias is not None, block_size=block_size, out_dtype=out_dtype, device=w.device)
-        bn, bk = layer.block_size
-        V.check_shape(op, "weight_scale_inv", s, (V.ceil_div(n, bn), V.ceil_div(k, bk)), "ceil(N/bn), ceil(K/bk)")
+        bn, bk = int(block_size[0]), int(block_size[1])
         V.check_dtype(op, "weight_scale_inv", s, torch.float32)
-        layer.weight.data = w.contiguous()
-        layer.weight_scale_inv.data = s.contiguous()
+        V.check_shape(op, "weight_scale_inv", s, (V.ceil_div(n, bn), V.ceil_div(k, bk)), "ceil(N/bn), ceil(K/bk)")
         if bias is not None:
-            V.check_shape(op, "bias", bias, (n,))
-            layer.bias.data = bias.to(out_dtype).contiguous()
+            V.check_dtype(op, "bias", bias, V.FLOAT_OUT_DTYPES)
+            V.check_shape(op, "bias", bias, (n,), "N = weight.shape[0]")
+        layer = cls(k, n, bias is not None, block_size=block_size, out_dtype=out_dtype, device=w.device)
+        with torch.no_grad():
+            layer.weight.view(torch.uint8)[:, :k].copy_(w.view(torch.uint8))
+            layer.weight_scale_inv.copy_(s)
+            if bias is not None:
+                layer.bias.copy_(bias)
         layer.process_weights_after_loading()
         return layer
 
-    @torch.no_grad()
-    def process_weights_after_loading(self) -> None:
-        """Lay out weight and scales once for every fp8_block backend.
-
-        The weight is made contiguous, padded along K with zero codes to a
-        multiple of bk when K % bk != 0 (the activation is padded in forward
-        then, a copy of ``M x pad`` bytes), and the scale rows are stored with a
-        stride padded to a multiple of 4 (what cuBLASLt reads; the others read
-        any row stride).  Idempotent.
-        """
+    def _check_layout(self) -> None:
+        op = "Fp8BlockLinear.process_weights_after_loading"
         bn, bk = self.block_size
-        w = self.weight.data
-        k = self.in_features
-        kp = V.round_up(k, bk)
-        if w.shape[1] != kp:
-            w = F.pad(w.view(torch.uint8), (0, kp - k)).view(FP8_DTYPE)
-        self.weight.data = w.contiguous()
-        self._k_pad = kp - k
+        n, k = self.out_features, self.in_features
+        V.check_dtype(op, "weight", self.weight, FP8_DTYPE)
+        V.check_shape(op, "weight", self.weight, (n, k + self._k_pad), "N, round_up(K, bk): the padded layout")
+        V.check_dtype(op, "weight_scale_inv", self.weight_scale_inv, torch.float32)
+        V.check_shape(op, "weight_scale_inv", self.weight_scale_inv, (V.ceil_div(n, bn), V.ceil_div(k, bk)),
+                      "ceil(N/bn), ceil(K/bk)")
+        if self.bias is not None:
+            V.check_shape(op, "bias", self.bias, (n,))
+
+    def _derive(self) -> None:
+        # Weight contiguous; scale rows strided by a multiple of 4 (what
+        # cuBLASLt reads; the other backends read any row stride).  Copies
+        # (.to(device), to_empty, assign=True loads) may have made them dense.
+        if not self.weight.is_contiguous():
+            self.weight.data = self.weight.data.contiguous()
         s = self.weight_scale_inv.data
         if not (s.stride(1) == 1 and s.stride(0) % 4 == 0):
-            s = ops.pad_scale_rows(s.contiguous(), 4)
-        self.weight_scale_inv.data = s
+            self.weight_scale_inv.data = ops.pad_scale_rows(s.contiguous(), 4)
+        if self.bias is not None and not self.bias.is_contiguous():
+            self.bias.data = self.bias.data.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._processed:
+            raise RuntimeError("Fp8BlockLinear: load the tensors first (from_float, from_checkpoint, "
+                               "load_state_dict or process_weights_after_loading)")
         x2 = as_rows(x)
         if self._k_pad:
             x2 = F.pad(x2, (0, self._k_pad))

@@ -11,6 +11,7 @@ from torch import nn
 from scaledmm import validation as V
 from scaledmm.ops import nvfp4 as ops
 from scaledmm.oplib import FP8_DTYPE
+from scaledmm.layers._state import QuantizedLinearBase, checkpoint_entries
 from scaledmm.layers.rows import as_rows, from_rows
 
 __all__ = ["NvFp4Linear"]
@@ -32,7 +33,7 @@ def _scalar(name: str, t, device=None) -> torch.Tensor:
     return t.detach().to(torch.float32).reshape(())
 
 
-class NvFp4Linear(nn.Module):
+class NvFp4Linear(QuantizedLinearBase):
     """Linear layer with NVFP4 weights: e2m1 codes, an e4m3 scale per 16
     weights along K, a float32 global scale.
 
@@ -43,12 +44,18 @@ class NvFp4Linear(nn.Module):
     ``input_scale`` (float32 scalar: the activation decode multiplier) and an
     optional ``bias``.
 
-    :meth:`process_weights_after_loading` pads the weight once to N a
-    multiple of 32 (zero rows) and K a multiple of 64 (zero codes, zero
-    scales), which is what the Triton and sm100 (cuBLASLt, FlashInfer)
-    backends need, and swizzles ``weight_scale`` into the
-    ``[round_up(N', 128), round_up(K'/16, 4)]`` layout the GEMMs read.  The
-    forward then quantizes the activation with ``global_scale = 1 /
+    The layer holds the weight padded to N a multiple of 32 (zero rows) and K
+    a multiple of 64 (zero codes, zero scales), which is what the Triton and
+    sm100 (cuBLASLt, FlashInfer) backends need, and ``weight_scale``
+    swizzled into the ``[round_up(N', 128), round_up(K'/16, 4)]`` layout the
+    GEMMs read, from construction on (:meth:`from_checkpoint` lays
+    checkpoint tensors out so).  ``state_dict()`` holds these tensors,
+    ``weight_scale_2`` and ``input_scale``; the global scales the forward
+    uses are derived from the last two after every load, so a fresh (or
+    meta-built then ``to_empty``) layer of the same arguments loads a state
+    dict exactly.  ``.to(dtype)`` / ``.half()`` keep the codes and scales; a
+    float conversion sets ``out_dtype`` (and the bias) to bf16, fp16 or fp32.
+    The forward quantizes the activation with ``global_scale = 1 /
     input_scale``, runs ``nvfp4_mm`` with ``alpha = input_scale *
     weight_scale_2`` (W4A4) or ``nvfp4_w4a16_mm`` with ``weight_scale_2``
     (``use_w4a16=True``; bf16/fp16 activations, no activation quantization),
@@ -86,6 +93,8 @@ class NvFp4Linear(nn.Module):
 
     N_MULTIPLE = 32
     K_MULTIPLE = 64
+    _CODE_TENSORS = ("weight", "weight_scale")
+    _DERIVED = ("_global_scale", "_alpha", "_weight_alpha", "_amax_floor", "_range")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None,
                  out_dtype: torch.dtype = torch.bfloat16, use_w4a16: bool = False,
@@ -105,12 +114,19 @@ class NvFp4Linear(nn.Module):
         def param(t):
             return nn.Parameter(t, requires_grad=False)
 
-        k, n = in_features, out_features
-        self.weight = param(torch.zeros(n, k // 2, dtype=torch.uint8, device=device))
-        self.weight_scale = param(torch.zeros(n, k // ops.BLOCK, dtype=FP8_DTYPE, device=device))
+        n_pad, k_pad = V.round_up(out_features, self.N_MULTIPLE), V.round_up(in_features, self.K_MULTIPLE)
+        self._n_pad, self._k_pad = n_pad, k_pad
+        self.weight = param(torch.zeros(n_pad, k_pad // 2, dtype=torch.uint8, device=device))
+        self.weight_scale = param(torch.zeros(ops.swizzled_shape(n_pad, k_pad // ops.BLOCK), dtype=FP8_DTYPE,
+                                              device=device))
         self.weight_scale_2 = param(torch.ones((), dtype=torch.float32, device=device))
         self.input_scale = param(torch.ones((), dtype=torch.float32, device=device))
-        self.bias = param(torch.zeros(n, dtype=out_dtype, device=device)) if bias else None
+        self.bias = param(torch.zeros(n_pad, dtype=out_dtype, device=device)) if bias else None
+        # Global scales and constants the forward reads, filled by _derive (not in
+        # the state dict: re-derived from weight_scale_2 / input_scale on load).
+        for name in self._DERIVED:
+            self.register_buffer(name, torch.ones(1, dtype=torch.float32, device=device), persistent=False)
+        self._derive()
         self._processed = False
 
     # ------------------------------------------------------------------ loading
@@ -133,22 +149,16 @@ class NvFp4Linear(nn.Module):
         torch.Size([32, 32])
         """
         w = linear.weight.detach()
-        n, k = w.shape
-        layer = cls(k, n, bias=linear.bias is not None, device=w.device, out_dtype=out_dtype,
-                    use_w4a16=use_w4a16, dynamic_input_scale=input_amax is None)
         wf = w.float()
         amax = wf.abs().amax().clamp(min=_AMAX_FLOOR)
         scale_2 = amax / _RANGE
         q, s = torch.ops.scaledmm.nvfp4_quant(wf, (1.0 / scale_2).reshape(1), False)
-        layer.weight.data.copy_(q)
-        layer.weight_scale.data.copy_(s)
-        layer.weight_scale_2.data.copy_(scale_2)
+        tensors = {"weight": q, "weight_scale": s, "weight_scale_2": scale_2}
         if input_amax is not None:
-            layer.input_scale.data.copy_(_scalar("input_amax", input_amax, w.device) / _RANGE)
+            tensors["input_scale"] = _scalar("input_amax", input_amax, w.device) / _RANGE
         if linear.bias is not None:
-            layer.bias.data.copy_(linear.bias.detach())
-        layer.process_weights_after_loading()
-        return layer
+            tensors["bias"] = linear.bias.detach()
+        return cls.from_checkpoint(tensors, out_dtype=out_dtype, use_w4a16=use_w4a16)
 
     @classmethod
     def from_checkpoint(cls, tensors: dict[str, torch.Tensor], *, out_dtype: torch.dtype = torch.bfloat16,
@@ -167,57 +177,62 @@ class NvFp4Linear(nn.Module):
         >>> NvFp4Linear.from_checkpoint(t)(torch.randn(3, 32)).shape
         torch.Size([3, 8])
         """
-        for key in ("weight", "weight_scale", "weight_scale_2"):
-            if key not in tensors:
-                V.fail(_NAME, key, "a tensor in the checkpoint", "nothing")
-        w, ws = tensors["weight"], tensors["weight_scale"]
+        t = checkpoint_entries(_NAME, tensors, ("weight", "weight_scale", "weight_scale_2"),
+                               ("input_scale", "bias"))
+        w, ws, bias = t["weight"], t["weight_scale"], t.get("bias")
         V.check_dtype(_NAME, "weight", w, torch.uint8)
         V.check_rank(_NAME, "weight", w, 2)
         n, k = w.shape[0], 2 * w.shape[1]
         V.check_dtype(_NAME, "weight_scale", ws, FP8_DTYPE)
         V.check_shape(_NAME, "weight_scale", ws, (n, k // ops.BLOCK), "[N, K/16] for weight [N, K/2]")
-        device = w.device if device is None else device
-        bias = tensors.get("bias")
-        layer = cls(k, n, bias=bias is not None, device=device, out_dtype=out_dtype, use_w4a16=use_w4a16,
-                    dynamic_input_scale="input_scale" not in tensors)
-        layer.weight.data.copy_(w)
-        layer.weight_scale.data.copy_(ws)
-        layer.weight_scale_2.data.copy_(_scalar("weight_scale_2", tensors["weight_scale_2"]))
-        if "input_scale" in tensors:
-            layer.input_scale.data.copy_(_scalar("input_scale", tensors["input_scale"]))
+        scale_2 = _scalar("weight_scale_2", t["weight_scale_2"])
+        in_scale = _scalar("input_scale", t["input_scale"]) if "input_scale" in t else None
         if bias is not None:
-            V.check_shape(_NAME, "bias", bias, (n,))
-            layer.bias.data.copy_(bias)
+            V.check_dtype(_NAME, "bias", bias, V.FLOAT_OUT_DTYPES)
+            V.check_shape(_NAME, "bias", bias, (n,), "N = weight.shape[0]")
+        device = w.device if device is None else device
+        layer = cls(k, n, bias=bias is not None, device=device, out_dtype=out_dtype, use_w4a16=use_w4a16,
+                    dynamic_input_scale=in_scale is None)
+        with torch.no_grad():
+            layer.weight[:n, : k // 2].copy_(w)
+            scales = torch.zeros((layer._n_pad, layer._k_pad // ops.BLOCK), dtype=FP8_DTYPE, device=ws.device)
+            scales[:n, : k // ops.BLOCK] = ws
+            layer.weight_scale.copy_(ops.swizzle_block_scales(scales))
+            layer.weight_scale_2.copy_(scale_2)
+            if in_scale is not None:
+                layer.input_scale.copy_(in_scale)
+            if bias is not None:
+                layer.bias[:n].copy_(bias)
         layer.process_weights_after_loading()
         return layer
 
-    def process_weights_after_loading(self) -> None:
-        """Pad the weight to N % 32 == 0 and K % 64 == 0, swizzle its scales,
-        precompute the global scales.  Idempotent."""
-        if self._processed:
-            return
-        n, k = self.out_features, self.in_features
-        n_pad, k_pad = V.round_up(n, self.N_MULTIPLE), V.round_up(k, self.K_MULTIPLE)
-        w = self.weight.data
-        weight = w.new_zeros((n_pad, k_pad // 2))
-        weight[:n, : k // 2] = w
-        scales = torch.zeros((n_pad, k_pad // ops.BLOCK), dtype=FP8_DTYPE, device=w.device)
-        scales[:n, : k // ops.BLOCK] = self.weight_scale.data
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.weight_scale = nn.Parameter(ops.swizzle_block_scales(scales), requires_grad=False)
-        if self.bias is not None and n_pad != n:
-            bias = self.bias.data.new_zeros((n_pad,))
-            bias[:n] = self.bias.data
-            self.bias = nn.Parameter(bias, requires_grad=False)
-        scale_2 = self.weight_scale_2.data.float().reshape(1)
-        in_scale = self.input_scale.data.float().reshape(1)
-        self.register_buffer("_global_scale", 1.0 / in_scale, persistent=False)
-        self.register_buffer("_alpha", in_scale * scale_2, persistent=False)
-        self.register_buffer("_weight_alpha", scale_2.clone(), persistent=False)
-        self.register_buffer("_amax_floor", torch.full_like(scale_2, _AMAX_FLOOR), persistent=False)
-        self.register_buffer("_range", torch.full_like(scale_2, _RANGE), persistent=False)
-        self._n_pad, self._k_pad = n_pad, k_pad
-        self._processed = True
+    def _check_layout(self) -> None:
+        op = f"{_NAME}.process_weights_after_loading"
+        layout = "the padded, swizzled layout; build from checkpoint tensors with from_checkpoint"
+        V.check_dtype(op, "weight", self.weight, torch.uint8)
+        V.check_shape(op, "weight", self.weight, (self._n_pad, self._k_pad // 2), layout)
+        V.check_dtype(op, "weight_scale", self.weight_scale, FP8_DTYPE)
+        V.check_shape(op, "weight_scale", self.weight_scale,
+                      ops.swizzled_shape(self._n_pad, self._k_pad // ops.BLOCK), layout)
+        for name in ("weight_scale_2", "input_scale"):
+            V.check_scalar_like(op, name, getattr(self, name))
+        if self.bias is not None:
+            V.check_shape(op, "bias", self.bias, (self._n_pad,), layout)
+
+    def _derive(self) -> None:
+        """The forward's global scales from ``weight_scale_2`` and ``input_scale``
+        (in place, so addresses captured by a CUDA graph stay valid)."""
+        scale_2 = self.weight_scale_2.detach().float().reshape(1)
+        in_scale = self.input_scale.detach().float().reshape(1)
+        values = {"_global_scale": 1.0 / in_scale, "_alpha": in_scale * scale_2, "_weight_alpha": scale_2,
+                  "_amax_floor": torch.full_like(scale_2, _AMAX_FLOOR), "_range": torch.full_like(scale_2, _RANGE)}
+        device = self.weight.device
+        for name, value in values.items():
+            buf = self._buffers[name]
+            if buf.device == device and buf.dtype == torch.float32 and buf.shape == (1,):
+                buf.copy_(value)
+            else:  # an assign=True load or a meta-built layer's buffers: allocate on the weight's device
+                self._buffers[name] = value.to(device=device, dtype=torch.float32, copy=True)
 
     # ------------------------------------------------------------------ forward
 
@@ -234,7 +249,8 @@ class NvFp4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._processed:
-            raise RuntimeError(f"{_NAME}: call process_weights_after_loading() before forward")
+            raise RuntimeError(f"{_NAME}: load the tensors first (from_float, from_checkpoint, load_state_dict "
+                               "or process_weights_after_loading)")
         n, k = self.out_features, self.in_features
         if x.shape[-1] != k:
             V.fail(_NAME, "x", f"last dim K = {k}", f"shape {tuple(x.shape)}")
@@ -264,9 +280,8 @@ class NvFp4Linear(nn.Module):
         text = (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format=nvfp4 (e2m1, e4m3 scale per 16, fp32 global), "
                 f"mode={mode}, out_dtype={self.out_dtype}")
-        if self._processed:
-            text += (f", weight=uint8{list(self.weight.shape)} padded to N%{self.N_MULTIPLE}, "
-                     f"K%{self.K_MULTIPLE}, weight_scale=swizzled e4m3{list(self.weight_scale.shape)}")
-        else:
-            text += ", not processed (checkpoint layout)"
+        text += (f", weight=uint8{list(self.weight.shape)} padded to N%{self.N_MULTIPLE}, "
+                 f"K%{self.K_MULTIPLE}, weight_scale=swizzled e4m3{list(self.weight_scale.shape)}")
+        if not self._processed:
+            text += ", not loaded"
         return text

@@ -37,6 +37,7 @@ from scaledmm import validation as V
 from scaledmm.layers.fp8 import Fp8Linear
 from scaledmm.layers.fp8_block import Fp8BlockLinear
 from scaledmm.layers.nvfp4 import NvFp4Linear
+from scaledmm.layers._state import checkpoint_entries
 from scaledmm.layers.rows import as_rows
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_checkpoint", "format_of", "FORMATS"]
@@ -227,6 +228,7 @@ def shard_checkpoint(tensors: dict[str, torch.Tensor], fmt: str, rank: int, worl
         V.fail(_OP, "dim", "0 (shard N, column parallel) or 1 (shard K, row parallel)", dim)
     if not isinstance(tensors, dict):
         V.fail(_OP, "tensors", "a dict of checkpoint tensors", type(tensors).__name__)
+    checkpoint_entries(_OP, tensors, (), tuple(tensors))  # every entry a Tensor, one device
     if fmt == "fp8_block":
         return _shard_fp8_block(tensors, rank, world_size, dim, block_size)
     if fmt == "fp8":
@@ -251,7 +253,14 @@ def _rank_world(name: str, group, rank, world_size) -> tuple[int, int]:
 
 
 class _ParallelLinear(nn.Module):
-    """Holds the per-rank quantized layer (``inner``) and the process group."""
+    """Holds the per-rank quantized layer (``inner``) and the process group.
+
+    The state dict is the inner layer's (``inner.*``, its own padded layout)
+    and, for :class:`RowParallelLinear`, the whole ``bias``: a wrapper built
+    around a fresh (or meta-built then ``to_empty``) inner layer of the same
+    arguments loads it exactly.  ``.to(dtype)`` / ``.half()`` act as on the
+    inner layer; the wrapper's bias follows the inner ``out_dtype``.
+    """
 
     _DIM = COLUMN
 
@@ -270,6 +279,14 @@ class _ParallelLinear(nn.Module):
         bias = shard.pop("bias", None) if cls._DIM == ROW else None
         inner = layer_cls.from_checkpoint(shard, **layer_kwargs)
         return inner, bias, rank, world_size
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        bias = getattr(self, "bias", None)
+        if bias is not None and bias.dtype != self.inner.out_dtype:
+            with torch.no_grad():
+                bias.data = bias.data.to(self.inner.out_dtype)
+        return self
 
     def extra_repr(self) -> str:
         return f"format={self.fmt}, rank={self.rank}, world_size={self.world_size}"
@@ -356,8 +373,9 @@ class RowParallelLinear(_ParallelLinear):
     ----------
     inner : nn.Module
         This rank's quantized layer, built without bias (use :meth:`from_checkpoint`).
-    bias : Tensor, optional
-        The whole ``[N]`` bias.
+    bias : Tensor or bool, optional
+        The whole ``[N]`` bias; ``True``: a zero ``[N]`` bias (a fresh layer
+        that ``load_state_dict`` fills).
     rank, world_size : int
     group : ProcessGroup, optional
     input_is_parallel : bool
@@ -384,7 +402,10 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = bool(input_is_parallel)
         self.in_features = inner.in_features * world_size
         self.out_features = inner.out_features
+        if isinstance(bias, bool):
+            bias = inner.weight.new_zeros(self.out_features, dtype=inner.out_dtype) if bias else None
         if bias is not None:
+            V.check_dtype(type(self).__name__, "bias", bias, V.FLOAT_OUT_DTYPES)
             V.check_shape(type(self).__name__, "bias", bias, (self.out_features,))
             bias = nn.Parameter(bias.detach().to(inner.out_dtype).contiguous(), requires_grad=False)
         self.bias = bias
@@ -427,6 +448,9 @@ class RowParallelLinear(_ParallelLinear):
 
     def _partial(self, x2: torch.Tensor) -> torch.Tensor:
         inner = self.inner
+        if not inner._processed:  # the dynamic paths below bypass inner.forward's check
+            raise RuntimeError(f"{type(inner).__name__}: load the tensors first (from_checkpoint, "
+                               "load_state_dict or process_weights_after_loading)")
         if isinstance(inner, Fp8Linear) and inner.activation != "static":
             return self._fp8_dynamic(x2)
         if isinstance(inner, NvFp4Linear) and inner.dynamic_input_scale and not inner.use_w4a16:

@@ -8,6 +8,7 @@ from torch import nn
 
 from scaledmm import validation as V
 from scaledmm.dispatch import skinny_linear
+from scaledmm.layers._state import checkpoint_entries
 from scaledmm.layers.rows import as_rows, from_rows
 
 __all__ = ["SkinnyLinear"]
@@ -21,6 +22,12 @@ class SkinnyLinear(nn.Module):
     shape suits it (N % 16 == 0, K % 128 == 0), else ``F.linear``.  The bias,
     if any, is added after the GEMM in bf16.  Leading dimensions of ``x`` are
     flattened into M.
+
+    The weight is not quantized, so the layer follows the float module
+    convention: ``state_dict()`` holds ``weight`` and ``bias`` as the
+    forward reads them, and ``.half()`` / ``.float()`` / ``.to(dtype)``
+    convert them like ``nn.Linear``'s (the forward is then ``F.linear``: the
+    fused-A kernel reads bf16 only).
 
     Parameters
     ----------
@@ -76,33 +83,29 @@ class SkinnyLinear(nn.Module):
         32
         """
         op = "SkinnyLinear.from_checkpoint"
-        if "weight" not in tensors:
-            V.fail(op, "tensors", "a 'weight' entry", sorted(tensors))
-        w = tensors["weight"]
+        t = checkpoint_entries(op, tensors, ("weight",), ("bias",))
+        w, bias = t["weight"], t.get("bias")
         V.check_dtype(op, "weight", w, V.ACT_DTYPES)
         V.check_rank(op, "weight", w, 2)
         n, k = w.shape
-        bias = tensors.get("bias")
         if bias is not None:
             V.check_dtype(op, "bias", bias, V.ACT_DTYPES)
             V.check_shape(op, "bias", bias, (n,))
         layer = cls(k, n, bias is not None, device=w.device)
-        layer.weight.data = w
-        if bias is not None:
-            layer.bias.data = bias
+        with torch.no_grad():  # into the layer's contiguous bf16 tensors
+            layer.weight.copy_(w)
+            if bias is not None:
+                layer.bias.copy_(bias)
         layer.process_weights_after_loading()
         return layer
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """Make the weight (and bias) contiguous bf16, once.  Idempotent."""
-        w = self.weight.data
-        if w.dtype != torch.bfloat16 or not w.is_contiguous():
-            self.weight.data = w.to(torch.bfloat16).contiguous()
-        if self.bias is not None:
-            b = self.bias.data
-            if b.dtype != torch.bfloat16 or not b.is_contiguous():
-                self.bias.data = b.to(torch.bfloat16).contiguous()
+        """Make the weight (and bias) contiguous, once (their dtype stays: bf16
+        unless converted with ``.to(dtype)``).  Idempotent."""
+        for p in (self.weight, self.bias):
+            if p is not None and not p.is_contiguous():
+                p.data = p.data.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = skinny_linear(as_rows(x), self.weight)
