@@ -28,9 +28,8 @@ class Fp8BlockLinear(QuantizedLinearBase):
 
     The layer is built in that layout, so ``state_dict()`` /
     ``load_state_dict`` round-trip it exactly (a fresh, or meta-built then
-    ``to_empty``, layer of the same arguments loads it; ``weight_scale_inv``
-    in the state dict is a strided view: ``.contiguous()`` it for
-    safetensors).  ``.to(dtype)`` / ``.half()`` keep the weight and scales;
+    ``to_empty``, layer of the same arguments loads it; the state dict's
+    tensors are dense, ready for safetensors).  ``.to(dtype)`` / ``.half()`` keep the weight and scales;
     a float conversion to bf16 or fp16 sets ``out_dtype`` (and the bias) to
     it, other dtypes leave the layer as it is.
 
@@ -159,6 +158,14 @@ class Fp8BlockLinear(QuantizedLinearBase):
             self.weight_scale_inv.data = ops.pad_scale_rows(s.contiguous(), 4)
         if self.bias is not None and not self.bias.is_contiguous():
             self.bias.data = self.bias.data.contiguous()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # The padded row stride of the scales is a kernel detail; saved dense
+        # (safetensors stores only dense tensors), re-strided on load.
+        key = prefix + "weight_scale_inv"
+        if not keep_vars and key in destination:
+            destination[key] = destination[key].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._processed:
