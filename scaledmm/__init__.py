@@ -19,10 +19,13 @@ from . import fake_impls  # noqa: F401
 from .backends import use_backend
 from .dispatch import fp8_block_mm, skinny_linear
 from . import layers  # noqa: F401
+from .quantize import QuantConfig, quantize_, quantize_report
+from .checkpoint import load_quantized
 
 __version__ = "0.1.0"
 
-__all__ = ["backends", "ops", "layers", "use_backend", "fp8_block_mm", "skinny_linear", "compile"]
+__all__ = ["backends", "ops", "layers", "use_backend", "fp8_block_mm", "skinny_linear", "compile",
+           "quantize_", "QuantConfig", "quantize_report", "load_quantized"]
 
 
 def __getattr__(name):
