@@ -261,7 +261,7 @@ def _sass(cfg, swizzle=True, k=7168):
         opts = dict(num_warps=cfg.num_warps)
     else:
         kern = Q._rows_kernel
-        consts = dict(SWIZZLE=swizzle, HW_E4M3=True, FAST_DIV=True, INPUT=0, CODES=Q.VARIANTS.index(cfg.variant) - 1,
+        consts = dict(SWIZZLE=swizzle, HW_E4M3=True, INPUT=0, CODES=Q.VARIANTS.index(cfg.variant) - 1,
                       BLOCK_M=cfg.block_m, BLOCK_G=cfg.block_g, RPS=cfg.rows_per_step(), PREFETCH=cfg.prefetch)
         opts = dict(num_warps=cfg.num_warps, enable_fp_fusion=False)
     sig, attrs = {}, {}

@@ -176,8 +176,10 @@ def reference_quant(x: torch.Tensor, scale: torch.Tensor | None = None,
                     per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes of ``x`` and the scale that decodes them (``x ~ q * scale``).
 
-    * static ``scale``: ``q = e4m3(clamp(x / scale, -448, 448))``; the scale
-      returned is a copy of the one given.
+    * static ``scale``: ``q = e4m3(clamp(x * (1 / scale), -448, 448))``, the
+      reciprocal taken once in float32 (the order of vLLM's quantization
+      kernels, so ties round as theirs do); the scale returned is a copy of
+      the one given.
     * dynamic per-token: ``scale[m] = max(amax|x[m, :]|, 1e-10) / 448``.  A
       NaN or Inf in a row makes that row's scale non-finite: only that row is
       affected.
@@ -186,7 +188,8 @@ def reference_quant(x: torch.Tensor, scale: torch.Tensor | None = None,
       scale of the others.  A NaN stays NaN (e4m3 NaN) and ±Inf saturates to
       ±448, as with a static scale (e4m3fn has no infinity).
 
-    Rounding is to nearest even, in float32 (``x / scale``).
+    Dynamic scales quantize the same way, ``x * (1 / scale)``.  Rounding is to
+    nearest even, in float32.
 
     Examples
     --------
@@ -211,7 +214,7 @@ def reference_quant(x: torch.Tensor, scale: torch.Tensor | None = None,
         amax = torch.where(torch.isfinite(ax), ax, 0.0).amax() if x.numel() else xf.new_zeros(())
         sv = (torch.clamp(amax, min=AMAX_FLOOR) / amax.new_full((), FP8_MAX)).reshape(1, 1)
         s.copy_(sv.reshape(1))
-    q.copy_(torch.clamp(xf / sv, -FP8_MAX, FP8_MAX))
+    q.copy_(torch.clamp(xf * torch.reciprocal(sv), -FP8_MAX, FP8_MAX))  # IEEE fp32 1/s, CUDA too
     return q, s
 
 

@@ -4,9 +4,9 @@ the ``fp8`` family (SPEC.md "FP8 per-tensor / per-channel GEMM").
 The backend implements only ``quant_fp8``; ``fp8_scaled_mm`` stays on cuBLAS
 (the registry skips a backend that lacks an op's impl, so the CUDA priority
 list ``["triton", "cublas", ...]`` gives quant -> triton, GEMM -> cublas).
-Every mode is bit-identical to ``ops.fp8.reference_quant``: fp32 true
-division ``x / s`` (``div_rn``), clamp to +-448 with NaN kept, round to
-nearest even e4m3.
+Every mode is bit-identical to ``ops.fp8.reference_quant``: ``x * (1 / s)``
+with the reciprocal an IEEE fp32 division (``div_rn``) once per scale, clamp
+to +-448 with NaN kept, round to nearest even e4m3.
 
 * static scale (one element, or ``[M, 1]`` with ``per_token=True``): one
   pass, ``_scaled_kernel``; the program(s) holding column 0 also copy the
@@ -48,9 +48,9 @@ from .fp8_block_triton_quant import (  # noqa: F401 - _INTERPRET: Q._INTERPRET i
     _capability,
     _device_gate,
     _device_guard,
+    _e4m3_soft,
     _fp8_mode,
     _next_pow2,
-    _to_e4m3,
 )
 
 __all__ = [
@@ -222,6 +222,20 @@ def candidate_configs(mode: str, m: int, k: int) -> list[QuantConfig]:
 def _scale_of(amax, floor):
     """max(amax, floor) / 448 in fp32 (NaN propagates)."""
     return tl.math.div_rn(tl.maximum(amax, floor, propagate_nan=tl.PropagateNan.ALL), 448.0)
+
+
+@triton.jit
+def _to_e4m3(x, s, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
+    """e4m3(clamp(x * (1 / s), -448, 448)), SPEC's order (1 / s an IEEE fp32
+    reciprocal); NaN stays NaN.  Codes are e4m3 (uint8 bits when WIDEN)."""
+    y = tl.clamp(x * tl.math.div_rn(1.0, s), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    if SOFT_CVT:
+        q = _e4m3_soft(y)
+        if not WIDEN:
+            q = q.to(tl.float8e4nv, bitcast=True)
+    else:
+        q = y.to(tl.float8e4nv)
+    return q
 
 
 @triton.jit(do_not_specialize=["M", "tiles_k", "n_tiles", "n_part", "stride_sm"])

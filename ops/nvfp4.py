@@ -327,14 +327,24 @@ def quant_problem(x: torch.Tensor, swizzle: bool) -> Problem:
                    (("swizzle", bool(swizzle)),))
 
 
+def _aligned16(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether both data pointers are 16-byte aligned (False for fake tensors)."""
+    try:
+        return a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    except Exception:  # FakeTensor / meta: no address
+        return False
+
+
 def mm_problem(a: torch.Tensor, b: torch.Tensor, out_dtype, bias) -> Problem:
     return Problem(FAMILY, a.device, a.shape[0], b.shape[0], 2 * a.shape[1], a.dtype, out_dtype,
-                   2 * a.stride(0), (("bias", bias is not None), ("w4a16", False)))
+                   2 * a.stride(0),
+                   (("bias", bias is not None), ("w4a16", False), ("aligned16", _aligned16(a, b))))
 
 
 def w4a16_problem(x: torch.Tensor, b: torch.Tensor, out_dtype, bias) -> Problem:
     return Problem(FAMILY, x.device, x.shape[0], b.shape[0], x.shape[1], x.dtype, out_dtype,
-                   x.stride(0), (("bias", bias is not None), ("w4a16", True)))
+                   x.stride(0),
+                   (("bias", bias is not None), ("w4a16", True), ("aligned16", _aligned16(x, b))))
 
 
 # ----------------------------------------------------------------------------
@@ -343,23 +353,42 @@ def w4a16_problem(x: torch.Tensor, b: torch.Tensor, out_dtype, bias) -> Problem:
 
 
 def _quantize_linear(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC's rule in float32: codes ``[M, K]`` and linear e4m3 scales ``[M, K/16]``."""
+    """SPEC's recipe in float32: codes ``[M, K]`` and linear e4m3 scales ``[M, K/16]``.
+
+    Every step is one fp32 operation in the order of the production quantizers
+    (vLLM, TensorRT-LLM, FlashInfer), each ``1/v`` an IEEE reciprocal
+    (``torch.reciprocal``, also on CUDA), so their codes and scales are ours."""
     m, k = x.shape
     xb = x.float().reshape(m, k // BLOCK, BLOCK)
     gs = global_scale.float().reshape(())
     amax = xb.abs().amax(dim=-1)  # NaN propagates
-    s = e4m3_saturating(gs * amax / amax.new_full((), E2M1_MAX))  # true division on CUDA too
+    s = e4m3_saturating(gs * (amax * amax.new_full((), 1.0 / E2M1_MAX)))
     sf = s.float().unsqueeze(-1)
-    v = (xb * gs / sf).clamp(-E2M1_MAX, E2M1_MAX)
-    codes = torch.where(sf == 0, 0, e2m1_encode(v)).to(torch.uint8)
+    r = torch.reciprocal(sf * torch.reciprocal(gs))
+    mag = e2m1_encode((xb * r).abs().clamp(max=E2M1_MAX))
+    codes = torch.where(sf == 0, 0, mag | (torch.signbit(xb).to(torch.uint8) << 3)).to(torch.uint8)
     return codes.reshape(m, k), s
 
 
 def reference_quant(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per 16-element block: ``s = e4m3(global_scale * amax / 6)`` (saturating),
-    codes = e2m1 round-to-nearest-even of ``clamp(x * global_scale / s, -6, 6)``,
-    0 where ``s == 0``."""
+    """SPEC's recipe, per 16-element block, in float32:
+    ``s = e4m3(global_scale * (amax * (1/6)))`` (nearest even, saturating) and
+    codes = e2m1 nearest-even of ``x * (1 / (s * (1 / global_scale)))`` clamped
+    to +-6, each ``1/v`` an IEEE fp32 reciprocal; codes 0 where ``s == 0``.  A
+    code's sign bit is ``x``'s.  Codes are unspecified in a block whose scaled
+    values include a NaN (a NaN in ``x``, or ``0 * inf`` at an extreme
+    ``global_scale``).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops.nvfp4 import reference_quant
+    >>> x = torch.full((1, 16), 1.734375)
+    >>> q, s = reference_quant(x, torch.tensor(581.189208984375), swizzle=False)
+    >>> s.float().item(), q[0, 0].item()   # 581.19 * (1.734375 * (1/6)) == 168: a tie, to even
+    (160.0, 119)
+    """
     q, s = quant_outputs(x, global_scale, swizzle)
     codes, s_lin = _quantize_linear(x, global_scale)
     q.copy_(pack_e2m1(codes))

@@ -272,8 +272,8 @@ def test_selection_on_sm90_quant_triton_gemm_cublas(monkeypatch):
         pm = Problem(Family.FP8, dev, 7, 2112, 7168, FP8, torch.bfloat16, 7168,
                      (("scale_a", "token"), ("scale_b", "channel"), ("bias_dtype", None), ("b_aligned", True)))
         assert backends.select(pm, "fp8_scaled_mm").name == "cublas"
-        with scaledmm.use_backend("fp8", "triton"), pytest.raises(RuntimeError, match="does not implement"):
-            backends.select(pm, "fp8_scaled_mm")
+        with scaledmm.use_backend("fp8", "triton"):  # not its op: auto-selected as without the request
+            assert backends.select(pm, "fp8_scaled_mm").name == "cublas"
     finally:
         backends._SELECTIONS.clear()
 
@@ -342,7 +342,9 @@ if CHILD:
     def test_nan_inf_zeros_ties_subnormals(mode, dtype):
         x = special_rows(9, 136, dtype)
         scale, per_token = scale_for(mode, x)
-        q, s = check(x, scale, per_token)
+        # x * (1 / s) with both a NaN: either operand's NaN comes back (IEEE
+        # leaves the sign open; torch and NumPy pick differently)
+        q, s = check(x, scale, per_token, nan_sign=False)
         qn = torch.isnan(q.float())
         if mode == "dynamic_token":  # a NaN / Inf row: its own scale only
             assert s[0].isnan() and s[1].isinf() and torch.isfinite(s[2:]).all()
