@@ -11,7 +11,7 @@ forward) on tiny tensors it measures
   around one call; median of ``--calls`` calls after a warm-up);
 * ``bare``: the same for the backend implementations the entry ends up
   running, called directly with the same arguments (found by recording, during
-  one call of the entry, each ``backends.select(...).impls[op](*args)`` call
+  one call of the entry, each ``backends.select(...).run(op, problem, *args)`` call
   that is not nested in another), below the autograd dispatch keys as the
   dispatcher runs them;
 * ``overhead = entry - bare``: the dispatcher, validation, ``Problem``
@@ -71,22 +71,27 @@ def recording_backend_calls(calls: list):
     orig = backends.select
     depth = [0]
 
-    def select(problem, op):
-        backend = orig(problem, op)
+    def select(problem, op, table_m=None):
+        backend = orig(problem, op, table_m=table_m)
         impl = backend.impls[op]
 
-        def recorded(*args):
+        def recorded(*args, **kwargs):
             if depth[0] == 0:
-                calls.append((impl, args))
+                calls.append((impl, args, kwargs))
             depth[0] += 1
             try:
-                return impl(*args)
+                return impl(*args, **kwargs)
             finally:
                 depth[0] -= 1
 
         class Proxy:
             name = backend.name
+            needs_m_multiple = backend.needs_m_multiple
             impls = {op: recorded}
+
+            @staticmethod
+            def run(op_, problem_, *args):  # as Backend.run: the Problem to an impl that takes it
+                return recorded(*args, **({"problem": problem_} if backends._takes_problem(impl) else {}))
 
         return Proxy
 
@@ -108,10 +113,10 @@ def bare_of(entry: Callable) -> tuple[Callable, list[str]]:
     def bare():
         # the dispatcher runs an op's kernel below the autograd keys; so do we
         with torch._C._AutoDispatchBelowADInplaceOrView():
-            for impl, args in calls:
-                impl(*args)
+            for impl, args, kwargs in calls:
+                impl(*args, **kwargs)
 
-    names = [getattr(impl, "__qualname__", str(impl)) for impl, _ in calls]
+    names = [getattr(impl, "__qualname__", str(impl)) for impl, _, _ in calls]
     return bare, names
 
 

@@ -18,8 +18,12 @@ winner, which keeps timing noise from splitting buckets) merge into one
 between two measured values uses the row of the next larger one.  A measured
 M that is not a multiple of 4 gets a row of its own only where its ranking
 (padding included) differs.  ``padded_fp8_block_mm`` reads the table at the
-caller's M (``scaledmm.backends.select(..., table_m=M)``);
-``scaledmm.backends.load_auto_table`` loads the result.
+caller's M (``scaledmm.backends.select(..., table_m=M)``).
+
+``--out`` an existing policy file (``scaledmm/tuning/<family>_<arch>.json``)
+replaces its ``shapes`` and ``source`` and keeps the rest (order, switches,
+notes); the result is validated like a shipped file.  A new file holds the
+rows alone: ``scaledmm.backends.load_auto_table`` installs them in a process.
 
 Examples
 --------
@@ -171,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     data = {"family": args.family, "arch": args.arch,
             "source": f"python -m benchmarks.tune {Path(args.csv).name}; {source}".rstrip("; "),
             "shapes": build_table(ranked, args.tolerance)}
+    if args.out and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        data = {**old, "source": data["source"], "shapes": data["shapes"]}
+        if "order" in data:  # a policy file: rows naming a backend its order lacks fail here
+            from scaledmm import policy
+
+            policy.parse(data, args.out)
     text = json.dumps(data, indent=1) + "\n"
     if args.out:
         Path(args.out).write_text(text)

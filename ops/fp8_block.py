@@ -9,7 +9,7 @@ themselves as backends of the ``fp8_block`` family.
 
 from __future__ import annotations
 
-import importlib.resources
+import dataclasses
 import operator
 
 import torch
@@ -394,12 +394,14 @@ def _padded_mm(a, b, a_scales, b_scales, block_size, out_dtype, col):
     mp = V.round_up(m, ALIGN_M)
     # Backends are checked at the padded M but ranked at the real one: the
     # measured table's rows for M % 4 != 0 include the cost of padding.
-    backend = backends.select(problem(a, b, block_size, out_dtype, col, m=mp), "fp8_block_mm", table_m=m)
-    mm = backend.impls["fp8_block_mm"]
+    p = problem(a, b, block_size, out_dtype, col, m=mp)
+    backend = backends.select(p, "fp8_block_mm", table_m=m)
     if mp == m or backend.needs_m_multiple == 1:
-        return mm(a, b, a_scales, b_scales, block_size, out_dtype)
+        p_run = p if mp == m else dataclasses.replace(p, m=m)
+        return backend.run("fp8_block_mm", p_run, a, b, a_scales, b_scales, block_size, out_dtype)
     a_p, s_p = pad_rows(a, a_scales, backend.needs_m_multiple)
-    return mm(a_p, b, s_p, b_scales, block_size, out_dtype)[:m]
+    p_run = p if a_p.shape[0] == mp else dataclasses.replace(p, m=a_p.shape[0])
+    return backend.run("fp8_block_mm", p_run, a_p, b, s_p, b_scales, block_size, out_dtype)[:m]
 
 
 def _dynamic_padded_mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
@@ -468,9 +470,6 @@ backends.register(Backend(
     is_supported=lambda d: (d.type == "cuda", "quantize op + GEMM op" if d.type == "cuda" else "GPU only"),
     description="fp8_block_linear as per_token_group_quant_fp8 + fp8_block_mm, each selected as if called alone",
 ))
-# Measured auto-selection refinements (per shape and M bucket) for the H200.
-backends.load_auto_table(FAMILY, importlib.resources.files("scaledmm") / "tuning" / "fp8_block_sm90.json")
-
 backends.register(Backend(
     FAMILY, "cublas",
     impls={"fp8_block_mm": cublas_mm},

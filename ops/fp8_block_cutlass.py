@@ -323,8 +323,11 @@ TABLE: tuple[TableRow, ...] = (
 )
 
 
+@functools.lru_cache(maxsize=4096)
 def select_config(problem: Problem) -> CutlassConfig | None:
-    """The table's config for ``problem`` (None when no valid row applies)."""
+    """The table's config for ``problem`` (None when no valid row applies);
+    a row's config is valid for the problem by construction.  Cached per
+    Problem: :func:`can_implement` and the launch ask the same question."""
     for row in TABLE:
         if problem.m <= row.max_m and config_valid(row.config, problem)[0]:
             return row.config
@@ -601,17 +604,23 @@ def launch(prep: PreparedCall, lib: CutlassLibrary) -> torch.Tensor:
 
 
 def cutlass_mm(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16,
-               config: CutlassConfig | None = None) -> torch.Tensor:
+               config: CutlassConfig | None = None, *, problem: Problem | None = None) -> torch.Tensor:
     """Backend implementation of ``fp8_block_mm`` (arguments already validated
-    by the op; the registry checked :func:`can_implement`)."""
-    col = a_scales.stride(0) == 1 and a_scales.shape[1] > 1
-    p = base.problem(a, b, block_size, out_dtype, col)
+    by the op).  ``problem``: the Problem the registry selected this backend
+    for (its :func:`can_implement` held), passed by ``Backend.run``; the
+    table's config for it is the one ``can_implement`` found.  A direct call
+    without it, or with an explicit ``config``, is checked here."""
+    p = problem
+    if p is None:
+        col = a_scales.stride(0) == 1 and a_scales.shape[1] > 1
+        p = base.problem(a, b, block_size, out_dtype, col)
     cfg = config or select_config(p)
     if cfg is None:
         raise RuntimeError(f"fp8_block/{BACKEND}: no config for {p}")
-    ok, why = config_valid(cfg, p)
-    if not ok:
-        raise RuntimeError(f"fp8_block/{BACKEND}: config {cfg.name} cannot run this problem: {why}")
+    if config is not None:
+        ok, why = config_valid(cfg, p)
+        if not ok:
+            raise RuntimeError(f"fp8_block/{BACKEND}: config {cfg.name} cannot run this problem: {why}")
     if a.shape[0] == 0:
         return base.mm_output(a, b, out_dtype)
     lib = load_library(cfg, out_dtype)

@@ -22,15 +22,16 @@ chunk's epilogue writes ``out[m0:m1, n0:n1]`` through the output's row
 stride.  Shapes alone choose the chunks: no host sync, CUDA-graph capturable,
 M = 0 and N = 0 return an empty output.
 
-Automatic selection: on sm90 and sm80 the backend comes right after
-``cuda_gemv`` (when that is enabled) and before ``triton``; it takes
-M >= :data:`MIN_M` (and M = 0), smaller M falls through to the others.
-``SCALEDMM_NVFP4_DECODE_CUBLAS=0`` at import keeps it out of the automatic
-lists; ``use_backend("nvfp4", "decode_cublas")`` always reaches it.
+Automatic selection: the sm90 and sm80 selection policies
+(``scaledmm/tuning/nvfp4_sm90.json``, ``nvfp4_sm80.json``) place the backend
+after ``cuda_gemv`` / ``cuda_mid`` and before ``triton``; it takes
+M >= :data:`MIN_M` (and M = 0), smaller M falls through to the others.  The
+policies' switch ``SCALEDMM_NVFP4_DECODE_CUBLAS=0`` takes it out of
+automatic selection; ``use_backend("nvfp4", "decode_cublas")`` always
+reaches it.
 
 Read top to bottom: capability checks, chunk plan, epilogue kernel and
-launcher, the two-pass GEMMs (backend entry points), backend registration
-and the priority lists.
+launcher, the two-pass GEMMs (backend entry points), backend registration.
 
 Examples
 --------
@@ -40,8 +41,6 @@ Examples
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -54,7 +53,6 @@ from scaledmm.ops import nvfp4_triton as nt
 
 FAMILY = Family.NVFP4
 NAME = "decode_cublas"
-ENV_ENABLE = "SCALEDMM_NVFP4_DECODE_CUBLAS"
 #: Smallest M automatic selection sends here.  H200, session 3
 #: (``benchmarks/device_nvfp4_cublas.py``, device time of the parts): the
 #: weight decode costs ~12 us at 4096x4096 and ~75 us at 28672x4096 (235 MB
@@ -70,8 +68,6 @@ CHUNK_BYTES = 256 << 20
 #: any fp16-accumulation setting).  W4A16 decodes to the activation's dtype.
 W4A4_DTYPE = torch.bfloat16
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: Automatic priority lists this backend joins.
-ARCHS = ("sm90", "sm80")
 OPS = ("nvfp4_mm", "nvfp4_w4a16_mm")
 
 # ----------------------------------------------------------------------------
@@ -262,36 +258,8 @@ def w4a16_mm(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None):
 
 
 # ----------------------------------------------------------------------------
-# 5. Backend registration and the automatic priority lists
+# 5. Backend registration (its place in automatic selection: scaledmm/tuning/nvfp4_*.json)
 # ----------------------------------------------------------------------------
-
-
-def enabled_by_env() -> bool:
-    """True unless ``SCALEDMM_NVFP4_DECODE_CUBLAS`` is set to ``0`` (or empty)."""
-    return os.environ.get(ENV_ENABLE, "1") not in ("", "0")
-
-
-def with_backend(order: list[str], enabled: bool) -> list[str]:
-    """``order`` with this backend placed right after ``cuda_gemv`` (if
-    present), else before ``triton`` (else before the last entry), or removed.
-
-    Examples
-    --------
-    >>> with_backend(["cuda_gemv", "triton", "reference"], True)
-    ['cuda_gemv', 'decode_cublas', 'triton', 'reference']
-    >>> with_backend(["decode_cublas", "triton", "reference"], False)
-    ['triton', 'reference']
-    """
-    base = [b for b in order if b != NAME]
-    if not enabled:
-        return base
-    if "cuda_gemv" in base:
-        at = base.index("cuda_gemv") + 1
-    elif "triton" in base:
-        at = base.index("triton")
-    else:
-        at = max(0, len(base) - 1)
-    return base[:at] + [NAME] + base[at:]
 
 
 backends.register(Backend(
@@ -300,9 +268,5 @@ backends.register(Backend(
     is_supported=is_supported,
     can_implement=can_implement,
     description=(f"exact 16-bit decode (Triton) + cuBLAS fp32-output mm + Triton epilogue, M >= {MIN_M} "
-                 f"(sm80+; auto on {'/'.join(ARCHS)} unless {ENV_ENABLE}=0)"),
+                 "(sm80+)"),
 ))
-ENABLED = enabled_by_env()  # read once, at import
-if ENABLED:
-    for _arch in ARCHS:
-        backends.set_priority(FAMILY, _arch, with_backend(backends.arch_priority(FAMILY, _arch), True))

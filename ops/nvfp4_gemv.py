@@ -25,10 +25,11 @@ is compute-bound past ~32 rows.  See the .cu file's header.
 ``benchmarks/device_nvfp4_gemv.py``: every check bit-deterministic and within
 the float64 bound; llama8b shapes 2.2-2.4x bf16 ``F.linear`` at M <= 4 with
 the measured configs; session 4: M = 17-32 1.3-1.5x bf16 and 2.1-2.5x the Triton
-kernel).  It is first in the automatic sm90 priority list for
-the calls it can implement (bf16/fp16 output, M within the limits above); setting
-``SCALEDMM_NVFP4_GEMV=0`` before this module is imported takes it out of the
-automatic list (``use_backend("nvfp4", "cuda_gemv")`` still reaches it).
+kernel).  It is first in the sm90 selection policy
+(``scaledmm/tuning/nvfp4_sm90.json``) for the calls it can implement (bf16/fp16
+output, M within the limits above, 16-byte aligned operands); the policy's switch
+``SCALEDMM_NVFP4_GEMV=0`` takes it out of automatic selection
+(``use_backend("nvfp4", "cuda_gemv")`` still reaches it).
 
 Read top to bottom: capability checks, the config space (frozen dataclass,
 one validity predicate :func:`config_valid`, :func:`choose_config`), the
@@ -47,7 +48,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -60,7 +60,6 @@ FAMILY = Family.NVFP4
 NAME = "cuda_gemv"
 OP = "nvfp4_mm"
 OP_W4A16 = "nvfp4_w4a16_mm"
-ENV_ENABLE = "SCALEDMM_NVFP4_GEMV"  # "0": not in the automatic priority list
 SOURCE = "nvfp4_gemv.cu"
 KERNEL = "nvfp4_gemv"
 ARCH = "sm_90a"
@@ -93,8 +92,8 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
 
 def can_implement(p: Problem) -> tuple[bool, str]:
     """``nvfp4_mm`` (W4A4) or ``nvfp4_w4a16_mm`` with an fp16 / bf16 activation,
-    M <= 32 (W4A16: 16), K % 32 == 0, bf16/fp16 output, activation rows 16-byte aligned
-    (any N)."""
+    M <= 32 (W4A16: 16), K % 32 == 0, bf16/fp16 output, operands and activation
+    rows 16-byte aligned (any N)."""
     return check_problem(p, MAX_M[bool(p.opt("w4a16"))])
 
 
@@ -115,6 +114,8 @@ def check_problem(p: Problem, max_m: int) -> tuple[bool, str]:
         size = 2 if w4a16 else 0.5
         return False, (f"needs an activation row stride that is a multiple of 16 bytes, "
                        f"got {p.a_row_stride * size:g} bytes")
+    if not p.opt("aligned16", True):
+        return False, "needs 16-byte aligned activation and weight data pointers (vector loads)"
     return True, f"M <= {max_m}, K % 32 == 0"
 
 
@@ -373,21 +374,21 @@ def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: GemvCo
     return out
 
 
-def fallback(op: str, problem: Problem, *args):
-    """The next backend that can run a call this kernel cannot take (operands
-    not 16-byte aligned: a view at an odd offset)."""
-    for name in ("triton", "reference"):
-        other = backends.get(FAMILY, name) if name in backends.names(FAMILY) else None
-        if other is not None and op in other.impls and other.check(problem)[0]:
-            return other.impls[op](*args)
-    raise RuntimeError(f"{op}: no backend takes the misaligned operands of {problem}")
+def require_aligned(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Raise ``ValueError`` for operands the kernel's vector loads cannot
+    read (selection never sends them: :func:`can_implement` refuses them;
+    this guards direct calls)."""
+    if not aligned(a, b):
+        raise ValueError(f"a, b: expected 16-byte aligned data pointers and activation row stride, got "
+                         f"a at {a.data_ptr() % 16} mod 16 with row stride {a.stride(0) * a.element_size()} "
+                         f"bytes, b at {b.data_ptr() % 16} mod 16")
 
 
 def gemv_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None, cfg: GemvConfig | None = None):
     """Backend entry: a fresh ``[M, N]`` ``alpha * deq(a) @ deq(b).T (+ bias)``.
 
-    Operands that are not 16-byte aligned (a view at an odd offset) go to the
-    next backend that can run the call (``triton``, else ``reference``).
+    Operands must be 16-byte aligned (:func:`can_implement` refuses others,
+    so automatic selection gives them to the next backend of the policy).
 
     Examples
     --------
@@ -423,12 +424,11 @@ def gemv_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None
 def run_mm(launch_fn, a, b, a_scales, b_scales, alpha, out_dtype, bias, cfg):
     """``nvfp4_mm`` through ``launch_fn`` (this module's or ``nvfp4_mid``'s
     :func:`launch`): a fresh output, M = 0 / N = 0 without a launch, operands
-    that are not 16-byte aligned to :func:`fallback`."""
+    that are not 16-byte aligned refused (:func:`require_aligned`)."""
     out = nv.mm_output(a, b, out_dtype)
     if a.shape[0] == 0 or b.shape[0] == 0:
         return out
-    if not aligned(a, b):
-        return fallback(OP, nv.mm_problem(a, b, out_dtype, bias), a, b, a_scales, b_scales, alpha, out_dtype, bias)
+    require_aligned(a, b)
     return launch_fn(a, b, a_scales, b_scales, alpha, bias, out, cfg)
 
 
@@ -437,26 +437,13 @@ def run_w4a16(launch_fn, x, b, b_scales, weight_alpha, out_dtype, bias, cfg):
     out = nv.mm_output(x, b, out_dtype)
     if x.shape[0] == 0 or b.shape[0] == 0:
         return out
-    if not aligned(x, b):
-        return fallback(OP_W4A16, nv.w4a16_problem(x, b, out_dtype, bias), x, b, b_scales, weight_alpha,
-                        out_dtype, bias)
+    require_aligned(x, b)
     return launch_fn(x, b, b_scales, b_scales, weight_alpha, bias, out, cfg)
 
 
 # ----------------------------------------------------------------------------
-# Backend registration (first on sm90 unless SCALEDMM_NVFP4_GEMV=0)
+# Backend registration (its place in automatic selection: scaledmm/tuning/nvfp4_*.json)
 # ----------------------------------------------------------------------------
-
-
-def enabled_by_env(var: str = ENV_ENABLE) -> bool:
-    """True unless ``var`` (``SCALEDMM_NVFP4_GEMV``) is set to ``0`` (or empty)."""
-    return os.environ.get(var, "1") not in ("", "0")
-
-
-def sm90_priority(enabled: bool) -> list[str]:
-    """The nvfp4 sm90 priority list with or without this backend first."""
-    base = [b for b in backends.arch_priority(FAMILY, "sm90") if b != NAME]
-    return [NAME, *base] if enabled else base
 
 
 backends.register(Backend(
@@ -465,11 +452,8 @@ backends.register(Backend(
     is_supported=is_supported,
     can_implement=can_implement,
     description=(f"NVRTC register-streaming FP4 decode + mma.sync, W4A4 M <= {MAX_M[False]}, W4A16 M <= "
-                 f"{MAX_M[True]} (csrc/{SOURCE}); "
-                 f"first on sm90 unless {ENV_ENABLE}=0"),
+                 f"{MAX_M[True]} (csrc/{SOURCE})"),
 ))
-ENABLED = enabled_by_env()  # read once, at import
-backends.set_priority(FAMILY, "sm90", sm90_priority(ENABLED))
 
 
 # ----------------------------------------------------------------------------

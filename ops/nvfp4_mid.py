@@ -20,8 +20,10 @@ file's header.
 
 Read top to bottom: capability checks, the config space (frozen dataclass,
 one validity predicate :func:`config_valid`, :func:`choose_config`), the
-launcher, backend registration (after ``cuda_gemv`` on sm90 unless
-``SCALEDMM_NVFP4_MID=0``), the pre-build hook.
+launcher, backend registration (after ``cuda_gemv`` in the sm90 selection
+policy, ``scaledmm/tuning/nvfp4_sm90.json``; its switch
+``SCALEDMM_NVFP4_MID=0`` takes it out of automatic selection), the pre-build
+hook.
 
 Examples
 --------
@@ -48,7 +50,6 @@ FAMILY = Family.NVFP4
 NAME = "cuda_mid"
 OP = "nvfp4_mm"
 OP_W4A16 = "nvfp4_w4a16_mm"
-ENV_ENABLE = "SCALEDMM_NVFP4_MID"  # "0": not in the automatic priority list
 SOURCE = "nvfp4_mid.cu"
 KERNEL = "nvfp4_mid"
 ARCH = "sm_90a"
@@ -302,8 +303,8 @@ def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: MidCon
 
 def mid_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None, cfg: MidConfig | None = None):
     """Backend entry of ``nvfp4_mm``: a fresh ``[M, N]``
-    ``alpha * deq(a) @ deq(b).T (+ bias)``; misaligned operands go to the next
-    backend that can run the call.
+    ``alpha * deq(a) @ deq(b).T (+ bias)``; operands must be 16-byte aligned
+    (:func:`can_implement` refuses others).
 
     Examples
     --------
@@ -336,31 +337,8 @@ def mid_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None,
 
 
 # ----------------------------------------------------------------------------
-# Backend registration (right after cuda_gemv on sm90 unless SCALEDMM_NVFP4_MID=0)
+# Backend registration (its place in automatic selection: scaledmm/tuning/nvfp4_sm90.json)
 # ----------------------------------------------------------------------------
-
-
-def enabled_by_env() -> bool:
-    """True unless ``SCALEDMM_NVFP4_MID`` is set to ``0`` (or empty)."""
-    return gv.enabled_by_env(ENV_ENABLE)
-
-
-def with_backend(order: list[str], enabled: bool) -> list[str]:
-    """``order`` with this backend right after ``cuda_gemv`` (else first), or
-    without it.
-
-    Examples
-    --------
-    >>> with_backend(["cuda_gemv", "decode_cublas", "triton", "reference"], True)
-    ['cuda_gemv', 'cuda_mid', 'decode_cublas', 'triton', 'reference']
-    >>> with_backend(["cuda_mid", "triton"], False)
-    ['triton']
-    """
-    base = [b for b in order if b != NAME]
-    if not enabled:
-        return base
-    at = base.index("cuda_gemv") + 1 if "cuda_gemv" in base else 0
-    return base[:at] + [NAME] + base[at:]
 
 
 backends.register(Backend(
@@ -369,10 +347,8 @@ backends.register(Backend(
     is_supported=is_supported,
     can_implement=can_implement,
     description=(f"NVRTC FP4 decode + shared-memory activation + mma.sync, W4A4 and W4A16, M <= {MAX_M} "
-                 f"(csrc/{SOURCE}); after cuda_gemv on sm90 unless {ENV_ENABLE}=0"),
+                 f"(csrc/{SOURCE})"),
 ))
-ENABLED = enabled_by_env()  # read once, at import
-backends.set_priority(FAMILY, "sm90", with_backend(backends.arch_priority(FAMILY, "sm90"), ENABLED))
 
 
 # ----------------------------------------------------------------------------

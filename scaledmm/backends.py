@@ -8,17 +8,27 @@ named backends.  A backend declares two predicates:
 * ``can_implement(problem) -> (bool, reason)``: can it compute this particular
   problem (alignment of M, N, K, dtypes, strides, ...)?
 
-Automatic selection walks a per-device priority list (fastest measured first)
-and takes the first backend for which both hold.  Users override the choice
-with the environment variable ``SCALEDMM_<FAMILY>_BACKEND=<name>`` or with the
-context manager :func:`use_backend`.  The override applies to the ops the named
+Automatic selection walks the order that the family's selection policy gives
+for the device and the problem's shape (fastest measured first) and takes the
+first backend for which both hold.  The policy is data, one file per family
+and architecture, ``scaledmm/tuning/<family>_<arch>.json`` (see
+:mod:`scaledmm.policy`): the order, measured per-shape rows and each
+backend's on/off environment switch, read at the first selection.  Users
+override the choice with the environment variable
+``SCALEDMM_<FAMILY>_BACKEND=<name>`` or with the context manager
+:func:`use_backend`.  The override applies to the ops the named
 backend implements; the family's other ops (a quantizer when the backend is a
 GEMM, say) run as if nothing was requested.  An explicit backend that
 implements the op but cannot run the call raises with its reason instead of
 silently falling back.
 
+An implementation that declares a keyword-only ``problem`` parameter is
+called with the :class:`Problem` it was selected for (:meth:`Backend.run`),
+so it need not derive it again from the tensors.
+
 This module is part of the core: it imports no op module.  Op modules call
-:func:`register` at import time.
+:func:`register` at import time and nothing else: no module changes the
+policy when it is imported.
 """
 
 from __future__ import annotations
@@ -28,11 +38,15 @@ import contextvars
 import dataclasses
 import enum
 import functools
+import inspect
 import io
 import os
 from typing import Any, Callable, Iterator
 
 import torch
+
+from . import policy as _policies
+from .policy import Policy
 
 __all__ = [
     "Family",
@@ -44,6 +58,9 @@ __all__ = [
     "select",
     "use_backend",
     "priority",
+    "policy",
+    "override_policy",
+    "policy_snapshot",
     "set_priority",
     "arch_key",
     "report",
@@ -131,6 +148,19 @@ def _always_implements(problem: Problem) -> tuple[bool, str]:
     return True, "any problem"
 
 
+# implementation -> whether it declares a keyword-only ``problem`` (asked once
+# per function; per function, not per backend, so a swapped-in impl is asked too)
+_TAKES_PROBLEM: dict[Callable[..., Any], bool] = {}
+
+
+def _takes_problem(fn: Callable[..., Any]) -> bool:
+    try:
+        param = inspect.signature(fn).parameters.get("problem")
+    except (TypeError, ValueError):  # no signature (a builtin)
+        return False
+    return param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity (lru_cache key)
 class Backend:
     """One implementation of an op family.
@@ -143,7 +173,9 @@ class Backend:
         Name users pass to ``use_backend`` and the environment variable.
     impls : dict
         Op name (e.g. ``"fp8_block_mm"``) -> callable with the op's signature.
-        A backend may implement a subset of the family's ops.
+        A backend may implement a subset of the family's ops.  A callable with
+        a keyword-only ``problem`` parameter also receives the Problem it was
+        selected for (:meth:`run`).
     is_supported : callable(device) -> (bool, str)
     can_implement : callable(problem) -> (bool, str)
     needs_m_multiple : int
@@ -160,6 +192,29 @@ class Backend:
     needs_m_multiple: int = 1
     description: str = ""
 
+    def run(self, op: str, problem: Problem, *args: Any) -> Any:
+        """Call the implementation of ``op`` with ``args``; one that declares a
+        keyword-only ``problem`` parameter gets ``problem`` (the call's
+        Problem, for which this backend was selected).
+
+        Examples
+        --------
+        >>> import torch, scaledmm
+        >>> from scaledmm.backends import Problem, Family, get
+        >>> x = torch.randn(2, 128)
+        >>> p = Problem(Family.FP8_BLOCK, x.device, 2, 0, 128, x.dtype, torch.float8_e4m3fn, 128)
+        >>> q, s = get("fp8_block", "reference").run("per_token_group_quant_fp8", p, x)
+        """
+        fn = self.impls[op]
+        takes = _TAKES_PROBLEM.get(fn)
+        if takes is None:
+            takes = _takes_problem(fn)
+            if len(_TAKES_PROBLEM) < 1024:
+                _TAKES_PROBLEM[fn] = takes
+        if takes:
+            return fn(*args, problem=problem)
+        return fn(*args)
+
     def check(self, problem: Problem) -> tuple[bool, str]:
         ok, why = _supported_cached(self, problem.device)
         if not ok:
@@ -170,38 +225,9 @@ class Backend:
 _REGISTRY: dict[Family, dict[str, Backend]] = {f: {} for f in Family}
 _ENV_VARS: dict[Family, str] = {f: f.env_var for f in Family}
 
-# Measured-fastest-first priority lists.  Keys: "cpu", "sm80", "sm89", "sm90",
-# "sm100", "sm120", or "cuda" as the fallback for any other GPU.  Names that are
-# not registered (an optional package missing) are skipped.
-_PRIORITY: dict[Family, dict[str, list[str]]] = {
-    Family.FP8_BLOCK: {
-        "cpu": ["reference"],
-        # H200 runs (benchmarks/RESULTS.md): cuBLAS blockwise beats our CUTLASS
-        # configs at every aligned M measured; Triton serves M % 4 != 0.
-        "sm90": ["cublas", "triton", "cutlass", "composite", "reference"],
-        "sm100": ["cublas", "triton", "composite", "reference"],
-        "cuda": ["cublas", "triton", "composite", "reference"],
-    },
-    Family.FP8: {
-        "cpu": ["reference"],
-        # "triton" implements only quant_fp8 (fp8_scaled_mm skips it: cublas).
-        "cuda": ["triton", "cublas", "reference"],
-    },
-    Family.NVFP4: {
-        "cpu": ["reference"],
-        "sm100": ["flashinfer_cutedsl", "torch", "triton", "reference"],
-        "cuda": ["triton", "reference"],
-    },
-    Family.SKINNY: {
-        "cpu": ["reference"],
-        "cuda": ["fused_a", "reference"],
-    },
-}
-
-# Measured per-shape orders that refine the priority lists above:
-# (family, arch) -> {(n, k): [(max_m, [names...]), ...]} (ascending max_m).
-# Op modules load them from scaledmm/tuning/<family>_<arch>.json.
-_AUTO_TABLES: dict[tuple[Family, str], dict[tuple[int, int], list[tuple[int, list[str]]]]] = {}
+_policies.configure(f.value for f in Family)
+# Switch variables per family (from the policy files), read at each selection.
+_SWITCH_VARS: dict[Family, tuple[str, ...]] = {}
 
 # Live use_backend blocks, innermost last: (family, name, entry).  Each block
 # removes its own entry (by identity) on exit, so blocks may end in any order
@@ -294,8 +320,29 @@ def _device_key(device: torch.device) -> torch.device:
     return device
 
 
+def policy(family: Family | str, device: torch.device | str) -> Policy:
+    """The selection policy automatic selection uses for ``family`` on
+    ``device`` (``"cpu"``, ``"cuda:0"``, a ``torch.device``) or on an
+    architecture key (``"sm90"``, ``"cuda"``): the order, the measured
+    per-shape rows and the switches, and the file they came from.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> p = scaledmm.backends.policy("nvfp4", "sm90")
+    >>> p.order[0], p.switches["cuda_gemv"], p.source
+    ('cuda_gemv', 'SCALEDMM_NVFP4_GEMV', 'scaledmm/tuning/nvfp4_sm90.json')
+    """
+    fam = Family.parse(family)
+    if isinstance(device, str) and device.startswith("sm") and device[2:].isdigit():
+        return _arch_policy(fam, device)
+    dev = _device_key(torch.device(device))
+    return _policies.resolve(fam.value, arch_key(dev), gpu=dev.type == "cuda")
+
+
 def priority(family: Family | str, device: torch.device | str) -> list[str]:
-    """Backend names tried by automatic selection on ``device``, first first.
+    """Backend names tried by automatic selection on ``device`` for a shape
+    without measured rows, first first (switched-off backends left out).
 
     Examples
     --------
@@ -303,22 +350,13 @@ def priority(family: Family | str, device: torch.device | str) -> list[str]:
     >>> scaledmm.backends.priority("nvfp4", "cpu")
     ['reference']
     """
-    fam = Family.parse(family)
-    dev = _device_key(torch.device(device))
-    table = _PRIORITY[fam]
-    key = arch_key(dev)
-    if key in table:
-        return list(table[key])
-    if dev.type == "cuda":
-        # sm100 family members (sm101, sm103, ...) share sm100's list.
-        family_key = key[:-1] + "0"
-        return list(table.get(family_key, table.get("cuda", ["reference"])))
-    return list(table.get("cpu", ["reference"]))
+    pol = policy(family, device)
+    return [b for b in pol.order if pol.enabled(b)]
 
 
 def arch_priority(family: Family | str, arch: str) -> list[str]:
-    """The priority list stored for ``arch`` (``"sm90"``, ``"cuda"``, ...),
-    else the generic CUDA list.
+    """:func:`priority` on a device of architecture ``arch`` (``"sm90"``,
+    ``"cuda"``, ``"cpu"``).
 
     Examples
     --------
@@ -326,45 +364,69 @@ def arch_priority(family: Family | str, arch: str) -> list[str]:
     >>> scaledmm.backends.arch_priority("fp8", "cpu")
     ['reference']
     """
-    table = _PRIORITY[Family.parse(family)]
-    return list(table.get(arch, table.get("cuda", ["reference"])))
+    pol = _arch_policy(Family.parse(family), arch)
+    return [b for b in pol.order if pol.enabled(b)]
+
+
+def _arch_policy(fam: Family, arch: str) -> Policy:
+    """The policy a device of architecture ``arch`` uses (``"cuda"``: any GPU)."""
+    return _policies.resolve(fam.value, arch, gpu=arch == "cuda" or arch.startswith("sm"))
+
+
+def _entry(fam: Family, arch: str) -> Policy:
+    """The live policy stored for ``arch``, else the one ``arch`` resolves to."""
+    return _policies.table(fam.value).get(arch) or _arch_policy(fam, arch)
 
 
 def set_priority(family: Family | str, arch: str, order: list[str]) -> None:
-    """Replace the priority list of ``family`` for ``arch`` (e.g. ``"sm90"``).
+    """Replace the order of ``family``'s policy for ``arch`` in this process
+    (tests, experiments; the shipped order lives in the policy file).  No
+    module calls this at import.
 
     Examples
     --------
     >>> import scaledmm
-    >>> old = scaledmm.backends.priority("fp8", "cpu")
-    >>> scaledmm.backends.set_priority("fp8", "cpu", ["reference"])
-    >>> scaledmm.backends.set_priority("fp8", "cpu", old)
+    >>> with scaledmm.backends.policy_snapshot():
+    ...     scaledmm.backends.set_priority("fp8", "cpu", ["reference"])
     """
-    _PRIORITY[Family.parse(family)][arch] = list(order)
+    fam = Family.parse(family)
+    _policies.replace(fam.value, arch, _entry(fam, arch), order=list(order))
     _invalidate()
 
 
 def set_auto_table(family: Family | str, arch: str, table: dict) -> None:
-    """Install a measured auto-selection table for ``family`` on ``arch``.
+    """Replace the measured per-shape rows of ``family``'s policy for
+    ``arch`` in this process (as :func:`set_priority`).
 
     ``table`` maps ``(n, k)`` to ``[(max_m, [backend names]), ...]``: for a
     problem of that shape the first entry with ``m <= max_m`` gives the order
-    automatic selection tries (then the rest of the priority list).  Shapes or
-    M beyond the table use the priority list alone.
+    automatic selection tries (then the rest of the policy's order).  Shapes
+    or M beyond the table use the order alone.
 
     Examples
     --------
     >>> import scaledmm
-    >>> scaledmm.backends.set_auto_table("fp8", "sm00", {(64, 128): [(16, ["reference"])]})
+    >>> with scaledmm.backends.policy_snapshot():
+    ...     scaledmm.backends.set_auto_table("fp8", "sm00", {(64, 128): [(16, ["reference"])]})
     """
-    _AUTO_TABLES[(Family.parse(family), arch)] = {
-        (int(n), int(k)): sorted((int(mm), list(order)) for mm, order in rows) for (n, k), rows in table.items()}
+    fam = Family.parse(family)
+    shapes = {f"{int(n)}x{int(k)}": sorted([int(mm), list(order)] for mm, order in rows)
+              for (n, k), rows in table.items()}
+    _policies.replace(fam.value, arch, _entry(fam, arch), shapes=shapes)
     _invalidate()
 
 
 def load_auto_table(family: Family | str, path) -> None:
-    """Load ``{"arch": ..., "shapes": {"NxK": [[max_m, [names]], ...]}}`` JSON
-    written from benchmark results (see benchmarks/RESULTS.md)."""
+    """Install the per-shape rows of a ``{"arch": ..., "shapes": {"NxK":
+    [[max_m, [names]], ...]}}`` JSON file (``python -m benchmarks.tune``
+    output) with :func:`set_auto_table`, to try a new measurement without
+    editing the policy file.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> scaledmm.backends.load_auto_table("fp8_block", "fp8_block_sm90.json")  # doctest: +SKIP
+    """
     import json
 
     with open(path) as f:
@@ -376,22 +438,94 @@ def load_auto_table(family: Family | str, path) -> None:
     set_auto_table(family, data["arch"], table)
 
 
+@contextlib.contextmanager
+def override_policy(family: Family | str, arch: str, *, order: list[str] | None = None,
+                    shapes: dict | None = None, switches: dict | None = None) -> Iterator[Policy]:
+    """Inside the block, ``family``'s policy for ``arch`` has the given
+    ``order``, ``shapes`` (``{(n, k): [(max_m, [names]), ...]}``) and / or
+    ``switches`` (``{backend: env var}``); the previous policy comes back on
+    exit.  For tests and experiments.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> with scaledmm.backends.override_policy("fp8", "cpu", order=["reference"]) as p:
+    ...     p.order
+    ('reference',)
+    """
+    fam = Family.parse(family)
+    live = _policies.table(fam.value)
+    had, old = arch in live, live.get(arch)
+    fields: dict[str, Any] = {}
+    if order is not None:
+        fields["order"] = list(order)
+    if switches is not None:
+        fields["switches"] = dict(switches)
+    if shapes is not None:
+        fields["shapes"] = {f"{int(n)}x{int(k)}": sorted([int(mm), list(o)] for mm, o in rows)
+                            for (n, k), rows in shapes.items()}
+    new = _policies.replace(fam.value, arch, _entry(fam, arch), **fields)
+    _invalidate()
+    try:
+        yield new
+    finally:
+        if had:
+            live[arch] = old
+        else:
+            live.pop(arch, None)
+        _invalidate()
+
+
+@contextlib.contextmanager
+def policy_snapshot() -> Iterator[None]:
+    """Every policy change made inside the block (:func:`set_priority`,
+    :func:`set_auto_table`, ...) is undone on exit.  For tests.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> with scaledmm.backends.policy_snapshot():
+    ...     scaledmm.backends.set_priority("skinny", "cpu", ["reference"])
+    """
+    saved = _policies.snapshot()
+    try:
+        yield
+    finally:
+        _policies.restore(saved)
+        _invalidate()
+
+
 def auto_order(problem: Problem, table_m: int | None = None) -> list[str]:
-    """The order automatic selection tries for ``problem``: a measured table
-    entry first (if any, read at ``table_m`` or ``problem.m``), then the
-    device's priority list."""
-    base = priority(problem.family, problem.device)
-    if not _AUTO_TABLES:
-        return base
-    table = _AUTO_TABLES.get((problem.family, arch_key(_device_key(problem.device))))
-    rows = table.get((problem.n, problem.k)) if table else None
-    if not rows:
-        return base
-    m = problem.m if table_m is None else table_m
-    for max_m, order in rows:
-        if m <= max_m:
-            return order + [b for b in base if b not in order]
-    return base
+    """The order automatic selection tries for ``problem``: the policy's
+    measured row for the shape (if any, read at ``table_m`` or ``problem.m``),
+    then the policy's order; switched-off backends left out."""
+    pol = policy(problem.family, problem.device)
+    return pol.auto_order(problem.n, problem.k, problem.m if table_m is None else table_m)
+
+
+def _switch_values(fam: Family) -> tuple[str | None, ...]:
+    """The current values of ``fam``'s switch variables (part of the
+    selection cache key, so a changed switch takes effect at once)."""
+    names = _SWITCH_VARS.get(fam)
+    if names is None:
+        names = _SWITCH_VARS[fam] = _policies.switch_vars(fam.value)
+    return tuple([_env_raw(v) for v in names]) if names else ()
+
+
+_ENV_KEYS: dict[str, Any] = {}
+
+
+def _env_raw(var: str) -> Any:
+    """``var``'s value in ``os.environ`` (None when unset; on POSIX the raw
+    bytes), read on the per-call path without ``os.environ.get``'s
+    encode-and-KeyError cost (~0.5 us per unset variable)."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:
+        return os.environ.get(var)
+    key = _ENV_KEYS.get(var)
+    if key is None:
+        key = _ENV_KEYS[var] = os.environ.encodekey(var)
+    return data.get(key)
 
 
 def _request(fam: Family) -> tuple[str | None, str | None]:
@@ -403,7 +537,10 @@ def _request(fam: Family) -> tuple[str | None, str | None]:
         if f is fam:
             return (None if name == "auto" else name), "use_backend"
     var = _ENV_VARS[fam]
-    name = os.environ.get(var, "").strip()
+    raw = _env_raw(var)
+    if raw is None:
+        return None, None
+    name = (raw if isinstance(raw, str) else os.environ.decodevalue(raw)).strip()
     if not name or name == "auto":
         return None, None
     return name, var
@@ -483,9 +620,9 @@ def record() -> Iterator[list[tuple[str, str, Problem]]]:
         _RECORDERS.remove(log)
 
 
-# Selections already made, keyed by (problem, op, explicit request): a hit
-# skips the priority walk on the per-call path.  Cleared whenever the registry,
-# a priority list or an auto table changes, and when it grows past a bound.
+# Selections already made, keyed by (problem, op, explicit request, table M,
+# switch values): a hit skips the policy walk on the per-call path.  Cleared
+# whenever the registry or a policy changes, and when it grows past a bound.
 _SELECTIONS: dict[tuple, Backend] = {}
 _SELECTIONS_MAX = 4096
 
@@ -493,6 +630,7 @@ _SELECTIONS_MAX = 4096
 def _invalidate() -> None:
     _supported_cached.cache_clear()
     _SELECTIONS.clear()
+    _SWITCH_VARS.clear()
 
 
 def select(problem: Problem, op: str, table_m: int | None = None) -> Backend:
@@ -515,7 +653,7 @@ def select(problem: Problem, op: str, table_m: int | None = None) -> Backend:
     'reference'
     """
     name, source = _request(problem.family)
-    key = (problem, op, name, table_m)
+    key = (problem, op, name, table_m, _switch_values(problem.family))
     try:
         backend = _SELECTIONS.get(key)
     except TypeError:  # an unhashable option value: no caching
@@ -611,9 +749,22 @@ def _request_line(fam: Family) -> str:
     return line
 
 
+def _switch_line(pol: Policy) -> str:
+    """The policy's switches and their state, for :func:`report`."""
+    if not pol.switches:
+        return ""
+    parts = []
+    for name, var in pol.switches.items():
+        value = os.environ.get(var)
+        state = "on" if pol.enabled(name) else "OFF"
+        parts.append(f"{name} {state} ({var}={'unset' if value is None else repr(value)})")
+    return "; switches: " + ", ".join(parts)
+
+
 def report(file: Any = None) -> str:
     """Print, for this machine, every backend and why it is or is not usable,
-    and per family what an explicit request (``use_backend`` or
+    per family the automatic order, the policy file it comes from and the
+    state of its switches, and what an explicit request (``use_backend`` or
     ``SCALEDMM_<FAMILY>_BACKEND``) does: the ops it forces, the ops left to
     automatic selection, or an invalid name and the variable that holds it.
     Never raises for a bad request.
@@ -635,8 +786,14 @@ def report(file: Any = None) -> str:
             label += f" ({torch.cuda.get_device_name(dev)}, {arch_key(dev)})"
         out.write(f"== {label}\n")
         for fam in Family:
-            order = priority(fam, dev)
-            out.write(f"  {fam.value}: auto order {order}; {_request_line(fam)}\n")
+            try:
+                pol = policy(fam, dev)
+            except _policies.PolicyError as e:
+                out.write(f"  {fam.value}: POLICY ERROR {e}\n")
+                continue
+            order = [b for b in pol.order if pol.enabled(b)]
+            out.write(f"  {fam.value}: auto order {order} ({pol.source}{_switch_line(pol)}); "
+                      f"{_request_line(fam)}\n")
             for name, backend in _REGISTRY[fam].items():
                 ok, why = _supported_cached(backend, dev)
                 mark = "yes" if ok else "no "

@@ -38,5 +38,7 @@ def define(name: str, schema: str, impl: Callable[..., Any]) -> torch._ops.OpOve
 
 
 def run(problem: backends.Problem, op: str, *args: Any) -> Any:
-    """Run ``op`` on the backend the registry selects for ``problem``."""
-    return backends.select(problem, op).impls[op](*args)
+    """Run ``op`` on the backend the registry selects for ``problem``; an
+    implementation that takes a keyword-only ``problem`` receives it
+    (:meth:`~scaledmm.backends.Backend.run`)."""
+    return backends.select(problem, op).run(op, problem, *args)

@@ -22,22 +22,21 @@ from helpers import requires_cuda  # noqa: E402,F401  (tests import it from help
 @pytest.fixture
 def fake_sm90(monkeypatch):
     """Automatic nvfp4 selection as on an sm90 device with NVRTC (no GPU
-    needed); the priority lists come back afterwards."""
+    needed), the shipped policy without its per-shape rows and with every
+    switch on; policy changes made by the test are undone afterwards."""
     from scaledmm import backends, jit
-    from scaledmm.backends import Family
 
     monkeypatch.setattr(backends, "arch_key", lambda d: "sm90" if d.type == "cuda" else d.type)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(jit, "nvrtc_available", lambda: (True, "stub"))
     monkeypatch.setattr(jit, "_driver", lambda: None)
-    monkeypatch.setattr(backends, "_AUTO_TABLES", {})
     monkeypatch.delenv("SCALEDMM_NVFP4_BACKEND", raising=False)
-    saved = {k: list(v) for k, v in backends._PRIORITY[Family.NVFP4].items()}
-    backends._invalidate()
-    yield
-    backends._PRIORITY[Family.NVFP4].clear()
-    backends._PRIORITY[Family.NVFP4].update(saved)
-    backends._invalidate()
+    for var in backends.policy("nvfp4", "sm90").switches.values():
+        monkeypatch.delenv(var, raising=False)
+    with backends.policy_snapshot():
+        for fam in backends.Family:
+            backends.set_auto_table(fam, "sm90", {})
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -33,10 +33,9 @@ def fake_backends():
                               is_supported=lambda d: (False, "this machine lacks the t_broken chip")))
     backends.register(Backend(Family.FP8_BLOCK, "t_raises", {"fp8_block_mm": impl("t_raises")},
                               is_supported=lambda d: 1 / 0))
-    old = backends.priority("fp8_block", "cpu")
-    backends.set_priority("fp8_block", "cpu", ["t_broken", "t_raises", "t_aligned", "reference"])
-    yield calls
-    backends.set_priority("fp8_block", "cpu", old)
+    with backends.policy_snapshot():  # the shipped policy comes back afterwards
+        backends.set_priority("fp8_block", "cpu", ["t_broken", "t_raises", "t_aligned", "reference"])
+        yield calls
     for n in ("t_aligned", "t_broken", "t_raises"):
         backends.unregister("fp8_block", n)
 
@@ -152,22 +151,23 @@ def test_backend_modules_load_when_their_dependencies_exist():
 
 def test_measured_auto_table_orders_then_falls_back(monkeypatch):
     fam = Family.FP8_BLOCK
-    monkeypatch.setattr(backends, "_AUTO_TABLES", {})
-    backends.set_auto_table(fam, "cpu", {(64, 128): [(16, ["t_x"]), (128, ["composite"])]})
-    # a table applies to the arch it was measured on (any device type)
-    assert backends.auto_order(_problem(m=4, n=64)) == ["t_x"] + backends.priority(fam, "cpu")
-    assert backends.auto_order(_problem(m=4, n=64), table_m=17)[0] == "composite"
-    assert backends.auto_order(_problem(m=4, n=64), table_m=129) == backends.priority(fam, "cpu")
+    with backends.policy_snapshot():
+        backends.set_auto_table(fam, "cpu", {(64, 128): [(16, ["t_x"]), (128, ["composite"])]})
+        # a table applies to the devices its policy serves (any device type)
+        assert backends.auto_order(_problem(m=4, n=64)) == ["t_x"] + backends.priority(fam, "cpu")
+        assert backends.auto_order(_problem(m=4, n=64), table_m=17)[0] == "composite"
+        assert backends.auto_order(_problem(m=4, n=64), table_m=129) == backends.priority(fam, "cpu")
+    assert backends.auto_order(_problem(m=4, n=64)) == backends.priority(fam, "cpu")  # undone
     monkeypatch.setattr(backends, "arch_key", lambda d: "sm90")
-    monkeypatch.setattr(backends, "_device_key", lambda d: d)
-    monkeypatch.setattr(backends, "priority", lambda f, d: ["cublas", "triton", "reference"])
     cuda = torch.device("cuda", 0)
     p = lambda m, n: Problem(fam, cuda, m, n, 128, torch.float8_e4m3fn, torch.bfloat16, 128)
-    backends.set_auto_table(fam, "sm90", {(64, 128): [(128, ["triton"]), (16, ["reference", "triton"])]})
-    assert backends.auto_order(p(16, 64)) == ["reference", "triton", "cublas"]
-    assert backends.auto_order(p(17, 64)) == ["triton", "cublas", "reference"]
-    assert backends.auto_order(p(129, 64)) == ["cublas", "triton", "reference"]
-    assert backends.auto_order(p(4, 65)) == ["cublas", "triton", "reference"]
+    rows = {(64, 128): [(128, ["triton"]), (16, ["reference", "triton"])]}
+    with backends.override_policy(fam, "sm90", order=["cublas", "triton", "reference"], shapes=rows):
+        assert backends.auto_order(p(16, 64)) == ["reference", "triton", "cublas"]
+        assert backends.auto_order(p(17, 64)) == ["triton", "cublas", "reference"]
+        assert backends.auto_order(p(129, 64)) == ["cublas", "triton", "reference"]
+        assert backends.auto_order(p(4, 65)) == ["cublas", "triton", "reference"]
+    assert backends.policy(fam, cuda).source.endswith("fp8_block_sm90.json")
 
 
 def test_shipped_fp8_block_table_loads():
@@ -176,8 +176,9 @@ def test_shipped_fp8_block_table_loads():
 
     data = json.loads((importlib.resources.files("scaledmm") / "tuning" / "fp8_block_sm90.json").read_text())
     assert data["arch"] == "sm90"
-    table = backends._AUTO_TABLES[(Family.FP8_BLOCK, "sm90")]
+    table = backends.policy("fp8_block", "sm90").shapes
     assert (2112, 7168) in table and all(names for rows in table.values() for _, names in rows)
+    assert len(table) == len(data["shapes"])
     for rows in table.values():
         for _, names in rows:
             assert set(names) <= set(backends.names("fp8_block"))

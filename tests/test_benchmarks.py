@@ -318,15 +318,10 @@ def test_tune_merges_buckets_and_covers_larger_m(tmp_path):
     # The registry reads what the generator writes, and orders by it.
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"family": "fp8_block", "arch": "sm00", "shapes": table}))
-    saved = dict(backends._AUTO_TABLES)
-    try:
+    with backends.policy_snapshot():
         backends.load_auto_table("fp8_block", path)
-        rows = backends._AUTO_TABLES[(backends.Family.FP8_BLOCK, "sm00")][(2112, 7168)]
-        assert rows[0] == (64, ["triton", "cublas"]) and rows[-1][0] == tune.LAST_M
-    finally:
-        backends._AUTO_TABLES.clear()
-        backends._AUTO_TABLES.update(saved)
-        backends._invalidate()
+        rows = backends.policy("fp8_block", "sm00").shapes[(2112, 7168)]
+        assert rows[0] == (64, ("triton", "cublas")) and rows[-1][0] == tune.LAST_M
 
 
 def test_tune_cli_writes_json(tmp_path):

@@ -239,24 +239,18 @@ def test_padded_op_reads_the_table_at_the_callers_m():
     backends.register(backends.Backend(backends.Family.FP8_BLOCK, "t_al", {"fp8_block_mm": aligned},
                                        needs_m_multiple=4,
                                        can_implement=lambda p: (p.m % 4 == 0, "M % 4")))
-    old = backends.priority("fp8_block", "cpu")
-    saved = dict(backends._AUTO_TABLES)
+    rows = {(32, 128): [(2, ["t_al"]), (3, ["reference"]), (8, ["t_al"])]}
     try:
-        backends.set_priority("fp8_block", "cpu", ["t_al", "reference"])
-        backends.set_auto_table("fp8_block", "cpu", {(32, 128): [(2, ["t_al"]), (3, ["reference"]),
-                                                                 (8, ["t_al"])]})
-        b = torch.randn(32, 128).to(torch.float8_e4m3fn)
-        for m, want in ((2, [4]), (3, []), (5, [8])):
-            seen.clear()
-            x = torch.randn(m, 128)
-            q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, 128, 1e-10, True)
-            out = torch.ops.scaledmm.padded_fp8_block_mm(q, b, s, torch.ones(1, 1))
-            assert seen == want, (m, seen)
-            torch.testing.assert_close(out, ops.reference_mm(q, b, s, torch.ones(1, 1), [128, 128], out.dtype))
+        with backends.override_policy("fp8_block", "cpu", order=["t_al", "reference"], shapes=rows):
+            b = torch.randn(32, 128).to(torch.float8_e4m3fn)
+            for m, want in ((2, [4]), (3, []), (5, [8])):
+                seen.clear()
+                x = torch.randn(m, 128)
+                q, s = torch.ops.scaledmm.per_token_group_quant_fp8(x, 128, 1e-10, True)
+                out = torch.ops.scaledmm.padded_fp8_block_mm(q, b, s, torch.ones(1, 1))
+                assert seen == want, (m, seen)
+                torch.testing.assert_close(out, ops.reference_mm(q, b, s, torch.ones(1, 1), [128, 128], out.dtype))
     finally:
-        backends._AUTO_TABLES.clear()
-        backends._AUTO_TABLES.update(saved)
-        backends.set_priority("fp8_block", "cpu", old)
         backends.unregister("fp8_block", "t_al")
 
 
@@ -498,3 +492,22 @@ def test_compile_dynamic_one_compile():
             x = torch.randn(m, 256, dtype=torch.bfloat16)
             torch.testing.assert_close(cf(x), f(x), rtol=0, atol=0)
     assert cnt.frame_count == 1
+
+
+@pytest.mark.parametrize("n", [16, 128])  # N <= 128: one scale column, the v1 scale layout fits any K/128
+def test_cublas_gate_needs_k_multiple_of_128(n):
+    # cuBLASLt's 1x128 / 128x128 recipe has no partial K block; K = 192 or 320
+    # (multiples of 64, not of 128) must go to another backend.
+    from scaledmm.backends import Problem
+
+    b = backends.get("fp8_block", "cublas")
+
+    def gate(k):
+        return b.can_implement(Problem(ops.FAMILY, torch.device("cuda"), 4, n, k, FP8, torch.bfloat16, k,
+                                       (("block_size", (128, 128)), ("a_scales_col_major", True))))
+
+    for k in (192, 320, 64, 448):
+        ok, why = gate(k)
+        assert not ok and "K % 128" in why and f"K={k}" in why, (k, why)
+    for k in range(16, 1025, 16):
+        assert gate(k)[0] == (k % 128 == 0), (k, gate(k))

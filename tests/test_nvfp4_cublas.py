@@ -340,78 +340,57 @@ def test_is_supported_gates(monkeypatch):
 
 @pytest.fixture(params=[(9, 0), (8, 0)], ids=["sm90", "sm80"])
 def fake_gpu(request, monkeypatch):
-    """Automatic selection as on an sm90 / sm80 device (no GPU needed)."""
+    """Automatic selection as on an sm90 / sm80 device (no GPU needed), the
+    shipped policy with every switch on; policy changes are undone afterwards."""
     major, minor = request.param
-    monkeypatch.setattr(backends, "arch_key", lambda d: f"sm{major}{minor}" if d.type == "cuda" else d.type)
+    arch = f"sm{major}{minor}"
+    monkeypatch.setattr(backends, "arch_key", lambda d: arch if d.type == "cuda" else d.type)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (major, minor))
-    monkeypatch.setattr(backends, "_AUTO_TABLES", {})
     monkeypatch.delenv("SCALEDMM_NVFP4_BACKEND", raising=False)
-    saved = {k: list(v) for k, v in backends._PRIORITY[Family.NVFP4].items()}
-    backends._invalidate()
-    yield f"sm{major}{minor}"
-    backends._PRIORITY[Family.NVFP4].clear()
-    backends._PRIORITY[Family.NVFP4].update(saved)
-    backends._invalidate()
+    for var in backends.policy("nvfp4", "sm90").switches.values():
+        monkeypatch.delenv(var, raising=False)
+    with backends.policy_snapshot():
+        backends._invalidate()
+        yield arch
 
 
-def test_shipped_priority_lists(fake_gpu):
+def test_shipped_policy(fake_gpu):
     order = backends.priority("nvfp4", torch.device("cuda", 0))
-    if not dc.ENABLED:
-        assert dc.NAME not in order
-        return
     assert order.count(dc.NAME) == 1
     assert order.index(dc.NAME) < order.index("triton") < order.index("reference")
-    expected = [b for b in ("cuda_gemv", "cuda_mid") if fake_gpu == "sm90" and b in order]
+    expected = ["cuda_gemv", "cuda_mid"] if fake_gpu == "sm90" else []
     assert order == expected + [dc.NAME, "triton", "reference"]
+    assert backends.policy("nvfp4", torch.device("cuda", 0)).switches[dc.NAME] == "SCALEDMM_NVFP4_DECODE_CUBLAS"
 
 
-def test_large_m_selects_it_small_m_does_not(fake_gpu):
-    backends.set_priority("nvfp4", fake_gpu, dc.with_backend(backends.arch_priority("nvfp4", fake_gpu), True))
+def test_large_m_selects_it_small_m_does_not(fake_gpu, monkeypatch):
     for m in (dc.MIN_M, 128, 1023, 4096):
         assert backends.select(_problem(m), "nvfp4_mm").name == dc.NAME
         assert backends.select(_problem(m, w4a16=True), "nvfp4_w4a16_mm").name == dc.NAME
         assert backends.select(_problem(m, out_dtype=torch.float32), "nvfp4_mm").name == dc.NAME
     for m in (1, 8, 16):
         assert backends.select(_problem(m), "nvfp4_mm").name != dc.NAME
-        small = backends.select(_problem(m, w4a16=True), "nvfp4_w4a16_mm").name  # cuda_gemv on sm90 (if enabled)
+        small = backends.select(_problem(m, w4a16=True), "nvfp4_w4a16_mm").name  # cuda_gemv on sm90
         assert small in ("triton", "cuda_gemv") and small != dc.NAME
         assert backends.select(_problem(m, out_dtype=torch.float32), "nvfp4_mm").name == "triton"
     # the quantizer is not ours
     quant = Problem(Family.NVFP4, torch.device("cuda", 0), 4096, 0, 64, torch.bfloat16, torch.uint8, 64,
                     (("swizzle", True),))
     assert backends.select(quant, "nvfp4_quant").name == "triton"
-    # switched off: the others take every M
-    backends.set_priority("nvfp4", fake_gpu, dc.with_backend(backends.arch_priority("nvfp4", fake_gpu), False))
-    assert backends.select(_problem(4096), "nvfp4_mm").name == "triton"
-
-
-def test_with_backend_composes():
-    assert dc.with_backend(["cuda_gemv", "triton", "reference"], True) == \
-        ["cuda_gemv", dc.NAME, "triton", "reference"]
-    assert dc.with_backend(["triton", "reference"], True) == [dc.NAME, "triton", "reference"]
-    assert dc.with_backend(["reference"], True) == [dc.NAME, "reference"]
-    twice = dc.with_backend(dc.with_backend(["triton", "reference"], True), True)
-    assert twice.count(dc.NAME) == 1
-    assert dc.with_backend(["cuda_gemv", dc.NAME, "triton", "reference"], False) == \
-        ["cuda_gemv", "triton", "reference"]
-
-
-def test_env_var_is_read(monkeypatch):
-    monkeypatch.delenv(dc.ENV_ENABLE, raising=False)
-    assert dc.enabled_by_env()
-    monkeypatch.setenv(dc.ENV_ENABLE, "1")
-    assert dc.enabled_by_env()
-    monkeypatch.setenv(dc.ENV_ENABLE, "0")
-    assert not dc.enabled_by_env()
+    # switched off (read at selection time): the others take every M
+    for value, on in (("0", False), ("", False), ("1", True)):
+        monkeypatch.setenv("SCALEDMM_NVFP4_DECODE_CUBLAS", value)
+        assert (backends.select(_problem(4096), "nvfp4_mm").name == dc.NAME) == on, value
+        assert (dc.NAME in backends.priority("nvfp4", torch.device("cuda", 0))) == on, value
 
 
 @parent
-def test_env_switch_at_import():
-    """A fresh interpreter with the switch at 0: registered, in no automatic list."""
+def test_env_switch_in_a_fresh_process():
+    """A fresh interpreter with the switch at 0: registered, in no automatic order."""
     code = ("import scaledmm; from scaledmm import backends as b; "
-            "t = b._PRIORITY[b.Family.NVFP4]; "
-            "print('decode_cublas' in b.names('nvfp4'), any('decode_cublas' in v for v in t.values()))")
-    env = dict(os.environ, **{dc.ENV_ENABLE: "0"})
+            "print('decode_cublas' in b.names('nvfp4'), "
+            "any('decode_cublas' in b.arch_priority('nvfp4', a) for a in ('sm80', 'sm86', 'sm90', 'cuda')))")
+    env = dict(os.environ, SCALEDMM_NVFP4_DECODE_CUBLAS="0")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-2:] == ["True", "False"], r.stdout
@@ -531,7 +510,8 @@ def test_gpu_cuda_graph_capture_and_replay():
 def test_gpu_auto_selection_at_large_m():
     a, sa, qb, sb, alpha = _gpu_operands(4096, 1024, 1024)
     p = nv.mm_problem(a, qb, torch.bfloat16, None)
-    expect = dc.NAME if dc.ENABLED and backends.arch_key(a.device) in dc.ARCHS else None
+    expect = dc.NAME if dc.NAME in backends.priority("nvfp4", a.device) and backends.arch_key(a.device) in (
+        "sm80", "sm86", "sm89", "sm90") else None
     with backends.record() as calls:
         torch.ops.scaledmm.nvfp4_mm(a, qb, sa, sb, alpha)
     if expect:

@@ -1,0 +1,341 @@
+"""Selection policy as data: which backend automatic selection tries first.
+
+One JSON file per op family and architecture, ``scaledmm/tuning/<family>_<arch>.json``
+(package data), holds everything automatic selection needs beyond the
+backends' own predicates::
+
+    {
+      "family": "nvfp4",                  # the file name's family
+      "arch": "sm90",                     # the file name's arch: "cpu", "sm80", "sm90", ..., "cuda"
+      "order": ["cuda_gemv", "triton", "reference"],   # tried first to last
+      "switches": {"cuda_gemv": "SCALEDMM_NVFP4_GEMV"}, # optional: env var per backend
+      "shapes": {"4096x7168": [[256, ["triton", "cublas"]], [2147483647, ["cublas"]]]},  # optional
+      "source": "...", "notes": "..."     # optional free text (provenance, why this order)
+    }
+
+* ``order``: measured fastest first.  Names that are not registered (an
+  optional package missing) are skipped.
+* ``switches``: a backend whose variable is ``"0"`` or empty is left out of
+  automatic selection (order and shape rows); unset or any other value keeps
+  it.  Read at selection time.  An explicit request (``use_backend``,
+  ``SCALEDMM_<FAMILY>_BACKEND``) still reaches a switched-off backend.
+* ``shapes``: per weight shape ``NxK``, rows ``[max_m, [names]]`` in
+  ascending ``max_m``; the first row with ``M <= max_m`` is tried first, then
+  the rest of ``order``.  Written by ``python -m benchmarks.tune``.
+
+A device uses the file of its own arch (``sm90``), else the file of its
+architecture family (``sm86`` and ``sm89`` use ``sm80``, ``sm103`` uses
+``sm100``), else ``cuda`` (any GPU); a CPU (or other non-CUDA device) uses
+``cpu``; with no file at all, ``["reference"]``.
+
+The files are read once, at the first selection (not at import), and
+validated; a malformed one raises :class:`PolicyError` naming the file.
+
+This module is part of the core and imports nothing from scaledmm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import os
+import re
+import threading
+from typing import Any, Iterable, Mapping
+
+__all__ = ["Policy", "PolicyError", "parse", "load", "table", "resolve", "switch_vars", "switched_on"]
+
+Rows = tuple[tuple[int, tuple[str, ...]], ...]
+
+_KEYS = {"family", "arch", "order", "switches", "shapes", "source", "notes"}
+_ARCH = re.compile(r"^(cpu|cuda|sm\d+|[a-z][a-z0-9]*)$")
+_ENV_VAR = re.compile(r"^SCALEDMM_[A-Z0-9_]+$")
+_SHAPE = re.compile(r"^(\d+)x(\d+)$")
+
+
+class PolicyError(ValueError):
+    """A policy file (or an in-process change) that does not follow the format."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The selection policy of one family on one architecture.
+
+    Parameters
+    ----------
+    family, arch : str
+        ``"nvfp4"``, ``"sm90"``, ...
+    order : tuple of str
+        Backend names, tried first to last.
+    shapes : mapping
+        ``(n, k) -> ((max_m, names), ...)``, ascending ``max_m``.
+    switches : mapping
+        Backend name -> environment variable that switches it off (``"0"``
+        or empty) in automatic selection.
+    source : str
+        Where the policy came from (a file name, or what changed it).
+    """
+
+    family: str
+    arch: str
+    order: tuple[str, ...]
+    shapes: Mapping[tuple[int, int], Rows] = dataclasses.field(default_factory=dict)
+    switches: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    source: str = ""
+
+    def enabled(self, name: str, environ: Mapping[str, str] = os.environ) -> bool:
+        """False when ``name``'s switch variable is ``"0"`` or empty."""
+        var = self.switches.get(name)
+        return var is None or switched_on(environ.get(var))
+
+    def auto_order(self, n: int, k: int, m: int, environ: Mapping[str, str] = os.environ) -> list[str]:
+        """Names tried for an ``M x K`` activation and an ``N x K`` weight,
+        switched-off backends left out.
+
+        Examples
+        --------
+        >>> p = Policy("fp8_block", "sm90", ("cublas", "triton"), {(64, 128): ((16, ("triton",)),)})
+        >>> p.auto_order(64, 128, 4), p.auto_order(64, 128, 17)
+        (['triton', 'cublas'], ['cublas', 'triton'])
+        """
+        base = [b for b in self.order if self.enabled(b, environ)]
+        for max_m, names in self.shapes.get((n, k), ()):
+            if m <= max_m:
+                first = [b for b in names if self.enabled(b, environ)]
+                return first + [b for b in base if b not in first]
+        return base
+
+
+def switched_on(value: str | None) -> bool:
+    """The switch rule: unset or any value but ``"0"`` and ``""`` is on.
+
+    Examples
+    --------
+    >>> [switched_on(v) for v in (None, "1", "0", "")]
+    [True, True, False, False]
+    """
+    return value is None or value not in ("", "0")
+
+
+def _fail(where: str, field: str, expected: str, got: Any) -> None:
+    raise PolicyError(f"{where}: {field}: expected {expected}, got {got!r}")
+
+
+def _names(where: str, field: str, value: Any) -> tuple[str, ...]:
+    if (not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value)
+            or len(set(value)) != len(value)):
+        _fail(where, field, "a non-empty list of distinct backend names", value)
+    return tuple(value)
+
+
+def parse(data: Any, where: str, family: str | None = None, arch: str | None = None,
+          strict: bool = True) -> Policy:
+    """Validate one policy document (``where`` names it in errors) and return
+    it; ``family`` / ``arch``: what the file name says they must be.
+    ``strict`` (files): switches and shape rows name only backends of
+    ``order`` (a typo fails here rather than being skipped at selection).
+
+    Examples
+    --------
+    >>> parse({"family": "fp8", "arch": "cpu", "order": ["reference"]}, "fp8_cpu.json").order
+    ('reference',)
+    >>> parse({"family": "fp8", "arch": "cpu", "order": []}, "x.json")
+    Traceback (most recent call last):
+    ...
+    scaledmm.policy.PolicyError: x.json: order: expected a non-empty list of distinct backend names, got []
+    """
+    if not isinstance(data, dict):
+        _fail(where, "document", "a JSON object", type(data).__name__)
+    unknown = sorted(set(data) - _KEYS)
+    if unknown:
+        _fail(where, "keys", f"only {sorted(_KEYS)}", unknown)
+    for key in ("family", "arch", "order"):
+        if key not in data:
+            _fail(where, key, "a value (required)", None)
+    fam, arc = data["family"], data["arch"]
+    if not isinstance(fam, str) or (family is not None and fam != family):
+        _fail(where, "family", repr(family) if family else "a family name", fam)
+    if not isinstance(arc, str) or not _ARCH.match(arc) or (arch is not None and arc != arch):
+        _fail(where, "arch", repr(arch) if arch else "'cpu', 'cuda' or 'smXY'", arc)
+    order = _names(where, "order", data["order"])
+    switches = data.get("switches", {})
+    if not isinstance(switches, dict):
+        _fail(where, "switches", "an object {backend: env var}", switches)
+    for name, var in switches.items():
+        if strict and name not in order:
+            _fail(where, f"switches[{name!r}]", f"a backend of order {list(order)}", name)
+        if not isinstance(var, str) or not _ENV_VAR.match(var):
+            _fail(where, f"switches[{name!r}]", "an env var name SCALEDMM_...", var)
+    shapes_in = data.get("shapes", {})
+    if not isinstance(shapes_in, dict):
+        _fail(where, "shapes", 'an object {"NxK": rows}', shapes_in)
+    shapes: dict[tuple[int, int], Rows] = {}
+    for shape, rows in shapes_in.items():
+        match = _SHAPE.match(shape.lower()) if isinstance(shape, str) else None
+        if match is None or not int(match[1]) or not int(match[2]):
+            _fail(where, f"shapes key {shape!r}", "'NxK' with positive N and K", shape)
+        field = f"shapes[{shape!r}]"
+        if not isinstance(rows, list) or not rows:
+            _fail(where, field, "a non-empty list of [max_m, [names]] rows", rows)
+        parsed: list[tuple[int, tuple[str, ...]]] = []
+        for row in rows:
+            if (not isinstance(row, list) or len(row) != 2 or not isinstance(row[0], int)
+                    or isinstance(row[0], bool) or row[0] < 0):
+                _fail(where, field, "rows [max_m >= 0, [names]]", row)
+            names = _names(where, f"{field} row {row[0]}", row[1])
+            stray = [b for b in names if b not in order]
+            if strict and stray:
+                _fail(where, f"{field} row {row[0]}", f"backends of order {list(order)}", stray)
+            if parsed and row[0] <= parsed[-1][0]:
+                _fail(where, field, "rows in strictly ascending max_m", [r[0] for r in rows])
+            parsed.append((row[0], names))
+        shapes[(int(match[1]), int(match[2]))] = tuple(parsed)
+    for key in ("source", "notes"):
+        if not isinstance(data.get(key, ""), str):
+            _fail(where, key, "a string", data[key])
+    return Policy(fam, arc, order, shapes, dict(switches), where)
+
+
+def load(families: Iterable[str], folder: Any = None) -> dict[str, dict[str, Policy]]:
+    """Every ``<family>_<arch>.json`` of ``folder`` (default: the package's
+    ``tuning`` folder), validated: ``{family: {arch: Policy}}``.  A file
+    whose family is not in ``families`` raises :class:`PolicyError`.
+
+    Examples
+    --------
+    >>> load(["fp8_block", "fp8", "nvfp4", "skinny"])["fp8"]["cpu"].order
+    ('reference',)
+    """
+    shipped = folder is None
+    folder = importlib.resources.files("scaledmm") / "tuning" if shipped else folder
+    known = list(families)
+    out: dict[str, dict[str, Policy]] = {f: {} for f in known}
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".json"):
+            continue
+        where = f"scaledmm/tuning/{entry.name}" if shipped else str(entry)
+        stem = entry.name[: -len(".json")]
+        family, _, arch = stem.rpartition("_")
+        if family not in out:
+            _fail(where, "file name", f"<family>_<arch>.json with a family of {known}", entry.name)
+        try:
+            data = json.loads(entry.read_text())
+        except json.JSONDecodeError as e:
+            raise PolicyError(f"{where}: not valid JSON: {e}") from None
+        out[family][arch] = parse(data, where, family, arch)
+    return out
+
+
+_LOCK = threading.Lock()
+_TABLE: dict[str, dict[str, Policy]] | None = None  # live: the files plus in-process changes
+_FAMILIES: tuple[str, ...] = ()
+
+
+def configure(families: Iterable[str]) -> None:
+    """The family names files may use (the registry calls this once).
+
+    Examples
+    --------
+    >>> configure(["fp8_block", "fp8", "nvfp4", "skinny"])
+    """
+    global _FAMILIES
+    _FAMILIES = tuple(families)
+
+
+def table(family: str) -> dict[str, Policy]:
+    """The live ``{arch: Policy}`` of ``family`` (files read at the first call).
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> sorted(table("skinny"))
+    ['cpu', 'cuda']
+    """
+    global _TABLE
+    if _TABLE is None:
+        with _LOCK:
+            if _TABLE is None:
+                _TABLE = load(_FAMILIES)
+    return _TABLE[family]
+
+
+def resolve(family: str, key: str, gpu: bool) -> Policy:
+    """The policy a device with arch ``key`` uses (see the module docstring).
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> resolve("nvfp4", "sm89", gpu=True).source
+    'scaledmm/tuning/nvfp4_sm80.json'
+    """
+    entries = table(family)
+    chain = (key, key[:-1] + "0", "cuda") if gpu else (key, "cpu")
+    for arch in chain:
+        if arch in entries:
+            return entries[arch]
+    return Policy(family, key, ("reference",), source="no policy file: reference only")
+
+
+def switch_vars(family: str) -> tuple[str, ...]:
+    """Every switch variable of ``family``'s policies, sorted.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> switch_vars("nvfp4")
+    ('SCALEDMM_NVFP4_DECODE_CUBLAS', 'SCALEDMM_NVFP4_GEMV', 'SCALEDMM_NVFP4_MID')
+    """
+    return tuple(sorted({v for p in table(family).values() for v in p.switches.values()}))
+
+
+def replace(family: str, arch: str, base: Policy, **fields: Any) -> Policy:
+    """Install ``base`` with ``fields`` replaced as the live policy of
+    ``family`` on ``arch``, validated like a file (switches and rows may
+    name backends the new order lacks); returns it.  The registry's
+    ``set_priority`` / ``override_policy`` call this and clear its caches.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> saved = snapshot()
+    >>> replace("fp8", "cpu", resolve("fp8", "cpu", False), order=["reference"]).source
+    'fp8_cpu (set in process)'
+    >>> restore(saved)
+    """
+    data = {"family": family, "arch": arch, "order": list(base.order),
+            "switches": dict(base.switches),
+            "shapes": {f"{n}x{k}": [[mm, list(names)] for mm, names in rows]
+                       for (n, k), rows in base.shapes.items()}}
+    data.update(fields)
+    new = parse(data, f"{family}_{arch} (set in process)", family, arch, strict=False)
+    table(family)[arch] = new
+    return new
+
+
+def snapshot() -> dict[str, dict[str, Policy]]:
+    """A copy of the live table, for :func:`restore`.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> restore(snapshot())
+    """
+    for f in _FAMILIES:
+        table(f)
+    return {f: dict(entries) for f, entries in (_TABLE or {}).items()}
+
+
+def restore(saved: dict[str, dict[str, Policy]]) -> None:
+    """Put back what :func:`snapshot` returned (the registry's
+    ``policy_snapshot`` also clears its caches).
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> restore(snapshot())
+    """
+    for f, entries in saved.items():
+        live = table(f)
+        live.clear()
+        live.update(entries)
