@@ -15,9 +15,9 @@
 * ``_splitk_reduce_kernel`` (``ops/fp8_block_triton_splitk.py``, with the
   one-launch tile counters): sums split-K partials (+ bias), rounds once.
   ``MMConfig.one_launch`` folds that second launch into ``_mm_kernel``: the
-  last program of each output tile (per-tile counter, release/acquire) sums
-  the partials in split order and resets its counter to 0 (no memset, CUDA
-  graph safe), bit-identical to the two-launch path.
+  last program of each output tile (per-tile counter, release/acquire; the
+  counters are zeroed per call) sums the partials in split order,
+  bit-identical to the two-launch path.
 
 Devices: sm90 (wgmma, TMA), sm89 and sm100+ (native fp8 dot), sm80 (no e4m3:
 bytes widened exactly to fp16, fp16 MMA; e4m3 NaN codes read as numbers),
@@ -61,9 +61,6 @@ from .fp8_block_triton_quant import (  # noqa: F401 - re-exported: ft.<name> kee
     per_token_group_quant,
 )
 from .fp8_block_triton_splitk import (  # noqa: F401 - re-exported: T.<name> keeps working
-    COUNTER_REGIONS,
-    COUNTER_SLOTS,
-    _COUNTERS,
     _splitk_reduce_kernel,
     _tile_counters,
 )
@@ -505,7 +502,7 @@ def _mm_store(acc, c, ws, bias, counters, M, N, off_m, off_n, pid_k, split_k, ti
             # tile's counter to split_k (acq_rel: the partials stored before
             # the barrier by every split are visible) sums them in split order
             # as _splitk_reduce_kernel does (the first partial, not 0.0 + it,
-            # keeps -0.0), then puts the counter back to 0 for the next launch.
+            # keeps -0.0).  The counters are this call's own (zeroed per call).
             tl.debug_barrier()
             count = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
             if count == split_k - 1:
@@ -513,7 +510,6 @@ def _mm_store(acc, c, ws, bias, counters, M, N, off_m, off_n, pid_k, split_k, ti
                 for s in range(1, split_k):
                     red += tl.load(part + s * total, mask=mask, other=0.0, cache_modifier=".cg")
                 _out_store(red, c, bias, rows, cols, mask, N, stride_cm, HAS_BIAS)
-                tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
     else:
         _out_store(acc, c, bias, rows, cols, mask, N, stride_cm, HAS_BIAS)
 

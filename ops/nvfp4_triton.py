@@ -585,8 +585,8 @@ def _gemm_kernel(w_ptr, ws_ptr, x_ptr, xs_ptr, out_ptr, bias_ptr, alpha_ptr, par
     o_mask = (rm < M)[None, :] & (rn < N)[:, None]
     if SPLIT_K > 1:
         # deterministic split-K: partials to a workspace, the last program of
-        # the tile (release/acquire counter) adds them in split order and
-        # puts the counter back to 0 for the next launch on the stream
+        # the tile (release/acquire counter, zeroed per call) adds them in
+        # split order
         tile_elems = M.to(tl.int64) * N
         p_off = rm[None, :].to(tl.int64) * N + rn[:, None]
         tl.store(part_ptr + pid_k * tile_elems + p_off, acc, mask=o_mask)
@@ -599,7 +599,6 @@ def _gemm_kernel(w_ptr, ws_ptr, x_ptr, xs_ptr, out_ptr, bias_ptr, alpha_ptr, par
                 acc += tl.load(part_ptr + s * tile_elems + p_off, mask=o_mask, other=0.0,
                                cache_modifier=".cg")
             _epilogue(acc, out_ptr, o_off, o_mask, rn, N, bias_ptr, alpha_ptr, fold, HAS_BIAS)
-            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
     else:
         _epilogue(acc, out_ptr, o_off, o_mask, rn, N, bias_ptr, alpha_ptr, fold, HAS_BIAS)
 
@@ -666,23 +665,13 @@ def _predecoded_linear(x16: torch.Tensor, w, w_s, factor, bias, out_dtype) -> to
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
-# Split-K tile counters: each launch leaves them at 0 (the last program of a
-# tile resets its counter), so one zeroed buffer per (device, stream) serves
-# every split-K launch on that stream without a memset; launches on one stream
-# never overlap.  Inside CUDA-graph capture a stream met for the first time,
-# more tiles than the buffer holds, or the CPU get fresh zeros (a memset).
-COUNTER_SLOTS = 16384
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    if device.type == "cuda" and tiles <= COUNTER_SLOTS:
-        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-        buf = _COUNTERS.get(key)
-        if buf is None and not torch.cuda.is_current_stream_capturing():
-            buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-        if buf is not None:
-            return buf
+    """Zeroed int32 split-K counters, one per output tile, for one launch.
+
+    Fresh per call (a memset; a memset node under CUDA-graph capture), never
+    cached: memory an op kept would come from a CUDA-graph pool when its first
+    call is Inductor's warm-up, and a cached buffer would be shared by every
+    graph that captured it, racing when two of them replay at once."""
     return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 

@@ -87,16 +87,18 @@ def e2m1_nearest(v: torch.Tensor) -> torch.Tensor:
 
 
 def spec_quant(x: torch.Tensor, gs: torch.Tensor, swz: bool):
-    """SPEC's rule: fp32 arithmetic in the order written, torch's e4m3 cast
-    (nearest even) after clamping (saturation), nearest-even e2m1; on x's device."""
+    """SPEC's recipe: fp32 arithmetic in the order written, s = e4m3(gs * (amax
+    * (1/6))) and codes of x * (1 / (s * (1 / gs))) with IEEE reciprocals
+    (``torch.reciprocal``, on the GPU too), torch's e4m3 cast (nearest even)
+    after clamping (saturation), nearest-even e2m1; on x's device."""
     m, k = x.shape
     xb = x.float().reshape(m, k // 16, 16)
     g = gs.to(x.device).float().reshape(())
     amax = xb.abs().amax(-1)
-    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal
-    s8 = (g * amax / amax.new_full((), 6.0)).clamp(max=448.0).to(FP8)
+    sixth = torch.reciprocal(amax.new_full((), 6.0))
+    s8 = (g * (amax * sixth)).clamp(max=448.0).to(FP8)
     sf = s8.float().unsqueeze(-1)
-    v = (xb * g / sf).clamp(-6.0, 6.0)
+    v = (xb * torch.reciprocal(sf * torch.reciprocal(g))).clamp(-6.0, 6.0)
     codes = torch.where(sf == 0, torch.zeros_like(v, dtype=torch.uint8), e2m1_nearest(v)).reshape(m, k)
     q = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return q, (swizzle(s8) if swz else s8)
@@ -252,15 +254,16 @@ def test_quant_ties_and_special_values(cfg):
 @interp
 @pytest.mark.parametrize("cfg", QCFGS, ids=lambda c: c.label())
 def test_quant_every_scale_at_every_midpoint(cfg):
-    """Every finite e4m3 block scale s > 0, with fp32 inputs (gs = 1) at each
-    e2m1 midpoint T * s and at its fp32 neighbours (the compare boundaries)."""
+    """Every finite e4m3 block scale s > 0 (gs = 1, amax 6 s), with fp32 inputs
+    whose scaled values y = x * (1 / s) land on each e2m1 midpoint T or next
+    to it: x = T * s, T / (1 / s) and their fp32 neighbours."""
     s = torch.arange(1, 127, dtype=torch.int32).to(torch.uint8).view(FP8).float()   # 2**-9 .. 448
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-    p = (s[:, None] * mids).flatten()                                                # exact in fp32
-    vals = torch.stack([p, torch.nextafter(p, torch.tensor(0.0)), torch.nextafter(p, torch.tensor(1e9))], 1)
-    vals = vals.reshape(len(s), 21) * torch.where(torch.arange(21) % 2 == 0, 1.0, -1.0)
+    base = torch.cat([s[:, None] * mids, mids / torch.reciprocal(s)[:, None]], 1)   # fp32, [126, 14]
+    vals = torch.cat([base, torch.nextafter(base, torch.tensor(0.0)), torch.nextafter(base, torch.tensor(1e9))], 1)
+    vals = vals * torch.where(torch.arange(42) % 2 == 0, 1.0, -1.0)
     a = (6 * s)[:, None]                                                             # amax 6 s: scale s
-    x = torch.cat([a, vals[:, :15], a, vals[:, 15:], torch.zeros(len(s), 9)], 1)
+    x = torch.cat([a, vals[:, :15], a, vals[:, 15:30], a, vals[:, 30:], torch.zeros(len(s), 3)], 1)
     _check_quant(x, torch.tensor(1.0), True, cfg)
 
 
@@ -289,45 +292,19 @@ def test_quant_matches_op_reference():
 
 
 @parent
-def test_fast_division_by_six_is_exact():
-    """The rows kernels' v = fl(g / 6) on the GPU: q0 = RN(g * r), r = RN(1/6),
-    v = RN(q0 + RN(g - 6 q0) * r), equal to RN(g / 6) for every fp32 mantissa
-    (scaling g by a power of two scales every step exactly).  Integer math."""
-    G = np.arange(1 << 23, 1 << 24, dtype=np.int64)    # g = G * 2**-23 in [1, 2)
-    Y = 11184811                                       # r = Y * 2**-26
-
-    def rn(num, shift):  # nearest-even of num / 2**shift, num >= 0
-        q = num >> shift
-        rem = num - (q << shift)
-        return q + ((rem > (1 << (shift - 1))) | ((rem == (1 << (shift - 1))) & (q & 1 == 1)))
-
-    def rn_div6(num, shift):  # nearest-even of num / (6 * 2**shift)
-        q, rem = np.divmod(num, 6 << shift)
-        return q + ((2 * rem > (6 << shift)) | ((2 * rem == (6 << shift)) & (q & 1 == 1)))
-
-    assert abs(Y / 2 ** 26 - 1 / 6) < 2 ** -27
-    P = G * Y                                          # g * r in units of 2**-49
-    q0 = np.where(P < (1 << 47), rn(P, 23), rn(P, 24) * 2)          # units 2**-26
-    r = 8 * G - 6 * q0                                 # g - 6 q0, exact, units 2**-26
-    assert np.abs(r).max() < (1 << 24)
-    N = q0 * (1 << 26) + r * Y                         # q0 + r * (1/6), units 2**-52
-    v = np.where(N < (1 << 50), rn(N, 26), rn(N, 27) * 2)           # units 2**-26
-    E = (8 * G) << 20                                  # exact g / 6 rounded the same way
-    want = np.where(8 * G < 6 * (1 << 24), rn_div6(E, 20), rn_div6(E, 21) * 2)
-    assert np.array_equal(v, want)
-
-
-@parent
 def test_saturating_fma_compares_are_exact():
-    """rows_fma: for every e4m3 scale s and e2m1 midpoint T, A * (T s - |y|)
-    with A = 2**40 is 0 or at least 1 in magnitude for every fp32 |y| near the
-    threshold, so FFMA.SAT returns exactly [|y| < T s] (float64 is exact here)."""
-    s = torch.arange(1, 127, dtype=torch.int32).to(torch.uint8).view(FP8).double()
-    p = (s[:, None] * torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)).flatten()
-    assert torch.equal(p.float().double(), p)
-    p32 = p.float()
-    for y in (p32, torch.nextafter(p32, torch.tensor(0.0)), torch.nextafter(p32, torch.tensor(1e9))):
-        d = (p - y.double()) * 2.0 ** 40
+    """rows_fma: for each e2m1 midpoint T, A * (T - |y|) with A = 2**40 is 0 or
+    at least 1 in magnitude for the fp32 |y| next to T (farther ones only make
+    it larger), so FFMA.SAT returns exactly [|y| < T] (float64 is exact here)."""
+    t = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+    ys = [t.float()]
+    for direction in (0.0, 1e9):
+        y = t.float()
+        for _ in range(3):
+            y = torch.nextafter(y, torch.tensor(direction))
+            ys.append(y)
+    for y in ys:
+        d = (t - y.double()) * 2.0 ** 40
         assert ((d == 0) | (d.abs() >= 1)).all()
 
 
@@ -470,19 +447,38 @@ def test_quant_configs():
 
 
 @interp
-def test_split_k_counters_reset(monkeypatch):
-    """The last program of each tile puts its counter back to 0, so one buffer
-    serves consecutive split-K launches (the GPU keeps one per stream)."""
-    shared = torch.zeros(64, dtype=torch.int32)
-    monkeypatch.setattr(nt, "_tile_counters", lambda device, tiles: shared)
+def test_split_k_counters_are_per_call(monkeypatch):
+    """Every split-K launch gets its own zeroed counters, one per output tile,
+    and the module keeps none (a buffer kept across calls would land in a
+    CUDA-graph pool and be shared by every graph that captured it).  Non-zero
+    counters leave the output unwritten, so the reference checks can fail."""
+    handed = []
+    real = nt._tile_counters
+
+    def spy(device, tiles):
+        t = real(device, tiles)
+        handed.append((tiles, t.dtype, t.clone()))
+        return t
+
+    monkeypatch.setattr(nt, "_tile_counters", spy)
     qa, sa = quantized(5, 256, "cpu")
     qb, sb = quantized(40, 256, "cpu", gs=20.0)
     ref = ref_mm(decode(qa, sa), decode(qb, sb), 1.0, None)
-    for cfg in (nt.GemmConfig(16, 16, 64, split_k=4, decode=TT), nt.GemmConfig(32, 16, 64, split_k=3, decode=TT)):
+    cfgs = (nt.GemmConfig(16, 16, 64, split_k=4, decode=TT), nt.GemmConfig(32, 16, 64, split_k=3, decode=TT))
+    for cfg in cfgs:
         for _ in range(2):
             out = nt.run_mm(qa, qb, sa, sb, torch.tensor(1.0), torch.float32, None, cfg)
             assert rel_err(out, ref) < 1e-5
-            assert not shared.any()
+    assert [(n, dt) for n, dt, _ in handed] == [(3, torch.int32)] * 2 + [(2, torch.int32)] * 2
+    assert all(not c.any() for _, _, c in handed)
+    held = [n for n, v in vars(nt).items() if isinstance(v, torch.Tensor)
+            or (isinstance(v, dict) and any(isinstance(x, torch.Tensor) for x in v.values()))]
+    assert not held, held
+    monkeypatch.setattr(nt, "_tile_counters", lambda device, tiles: torch.full((tiles,), 9, dtype=torch.int32))
+    out = poison_(torch.empty(5, 40))
+    monkeypatch.setattr(nt.nv, "mm_output", lambda *a: out)
+    nt.run_mm(qa, qb, sa, sb, torch.tensor(1.0), torch.float32, None, cfgs[0])
+    assert out.isnan().all()
 
 
 @interp
@@ -854,8 +850,6 @@ def test_gpu_w4a4_configs(cfg, m):
     out = nt.run_mm(qa, qb, sa, sb, torch.tensor(1e-4, device="cuda"), torch.float32, bias, cfg)
     ref = ref_mm(decode(qa, sa), decode(qb, sb), 1e-4, bias)
     assert rel_err(out, ref) < 1e-5
-    torch.cuda.synchronize()
-    assert all(not buf.any() for buf in nt._COUNTERS.values())  # split-K counters back at 0
 
 
 @requires_cuda
