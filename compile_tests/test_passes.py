@@ -244,3 +244,46 @@ def test_nvfp4_epilogue_folding(kind):
                 # fully folded: one rounding of the float32 epilogue, to out_dtype
                 u = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -24
                 assert ((got.double() - exact).abs() <= u * exact.abs() + 2.0 ** -20 * mag).all()
+
+
+def test_fp8_block_cond_without_quant_lowers_to_the_padded_op():
+    """Pre-quantized operands (nothing to fuse): the lowered cond must stay an
+    op that pads M for an aligned-M backend.  Lowered to plain fp8_block_mm,
+    M = 3 would reach a backend that needs M % 4 == 0."""
+    from scaledmm import backends
+
+    w, ws = fb.quantize_weight(torch.randn(200, 640))
+
+    def f(q, s):
+        return scaledmm.fp8_block_mm(q, w, s, ws)
+
+    def quant(m):
+        return torch.ops.scaledmm.per_token_group_quant_fp8(torch.randn(m, 640, dtype=torch.bfloat16))
+
+    rec = RecordingPass(sc.passes())
+    cf, code = inductor_compile(f, quant(3), post_grad_custom_post_pass=rec)
+    assert rec.stats["size_conds"] == 1 and rec.stats["quant_gemm"] == 0
+    ours = [n["target"] for n in rec.nodes if n["target"].startswith("scaledmm.")]
+    assert ours == ["scaledmm.dynamic_padded_fp8_block_mm"], ours
+    assert "cond" not in code
+
+    seen = []
+
+    def aligned_only(p):
+        return (p.m % 4 == 0, f"needs M % 4 == 0, got M={p.m}")
+
+    def mm(a, b, sa, sb, block_size, out_dtype):
+        seen.append(a.shape[0])
+        return fb._reference_mm_f32(a, b, sa, sb, block_size).to(out_dtype)
+
+    backends.register(backends.Backend(fb.FAMILY, "t_aligned4", impls={"fp8_block_mm": mm},
+                                       can_implement=aligned_only, needs_m_multiple=4))
+    try:
+        with scaledmm.use_backend("fp8_block", "t_aligned4"), one_graph_for_all_m():
+            for m in (3, 1, 17, 4, 0):
+                q, s = quant(m)
+                want = fb._reference_mm_f32(q, w, s, ws, (128, 128)).to(torch.bfloat16)
+                torch.testing.assert_close(cf(q, s), want)
+    finally:
+        backends.unregister(fb.FAMILY, "t_aligned4")
+    assert seen and all(r % 4 == 0 for r in seen), seen

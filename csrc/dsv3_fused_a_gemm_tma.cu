@@ -208,24 +208,93 @@ __device__ __forceinline__ void store_peer(u32 local_addr, u32 rank, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
 }
 
-// -- the CTA's work: tiles tile0, tile0 + step, ...; chunks [c_begin, c_end) of each
+// -- index math ------------------------------------------------------------------
+// Plain C++, also compiled for the host: tests/test_skinny_tma_model.py runs
+// the kernel's data movement on the CPU through these functions.
 
+// The CTA's work: tiles tile0, tile0 + step, ...; chunks [c_begin, c_begin + cpt) of each.
 struct Work {
   int tile0, step, ntile;
   int c_begin, cpt;  // first chunk and chunks per tile
   int total;         // ntile * cpt: chunks in the CTA's sequence
 
-  __device__ __forceinline__ int tile(int g) const { return tile0 + (g / cpt) * step; }
-  __device__ __forceinline__ int chunk(int g) const { return c_begin + g % cpt; }
+  __host__ __device__ __forceinline__ int tile(int g) const { return tile0 + (g / cpt) * step; }
+  __host__ __device__ __forceinline__ int chunk(int g) const { return c_begin + g % cpt; }
+  __host__ __device__ __forceinline__ int x_k0() const { return c_begin * CHUNK; }  // the rank's K range
+  __host__ __device__ __forceinline__ int x_len() const {
+    return ((c_begin + cpt) * CHUNK < K ? (c_begin + cpt) * CHUNK : K) - x_k0();
+  }
 };
 
-__device__ __forceinline__ int tile_rows(int tile) {
+// CTA tile0 of a grid of step CTAs along x, cluster rank ``rank`` along y.
+__host__ __device__ __forceinline__ Work make_work(int tile0, int step, int rank) {
+  Work wk;
+  wk.tile0 = tile0;
+  wk.step = step;
+  wk.ntile = (TILES - wk.tile0 + wk.step - 1) / wk.step;
+  wk.c_begin = rank * CHUNKS / SPLIT;
+  wk.cpt = (rank + 1) * CHUNKS / SPLIT - wk.c_begin;
+  wk.total = wk.ntile * wk.cpt;
+  return wk;
+}
+
+__host__ __device__ __forceinline__ int tile_rows(int tile) {
   return FULL_ROWS ? ROWS : (N - tile * ROWS < ROWS ? N - tile * ROWS : ROWS);
 }
 
-__device__ __forceinline__ int chunk_len(int c) {
+__host__ __device__ __forceinline__ int chunk_len(int c) {
   return FULL_CHUNKS ? CHUNK : (K - c * CHUNK < CHUNK ? K - c * CHUNK : CHUNK);
 }
+
+// Shared-memory byte offsets (the producer's and the consumers' views).  Chunk
+// g's stage: weight row r at stage_w(g) + r * PITCH, x row r (XRES 0) at
+// stage_w(g) + STAGE_W + r * PITCH; resident x row r at RING_BYTES + r * XPITCH.
+// The kernel adds these terms in the order the functions are split into.  The
+// FAT_* macros are terms the kernel spells as macros: written as inline
+// functions, NVVM orders the kernel's address arithmetic differently (other
+// SASS).  (No namespace-scope constants here: each is a global in the cubin.)
+#define FAT_STAGE_W(g) ((u32)((g) % STAGES) * STAGE_BYTES)
+#define FAT_LANE_W(g8, t4) ((g8) * PITCH + (t4) * 16)
+#define FAT_LANE_X(g8, t4) ((g8) * (XRES ? XPITCH : PITCH) + (t4) * 16)
+#define FAT_ROW_W0(st) ((st) * 16 * PITCH)
+#define FAT_ROW_W1(st) (((st) * 16 + 8) * PITCH)
+#define FAT_INBOX_BASE(rank) ((rank) * PER)
+
+__host__ __device__ __forceinline__ u32 stage_w(int g) { return FAT_STAGE_W(g); }
+
+// Consumer lane (g8, t4) reads the 16 bytes (k 8 t4 .. 8 t4 + 7 of a unit) of
+// weight rows 16 st + g8 (+ 8) and of x rows 8 f + g8.
+__host__ __device__ __forceinline__ int lane_w(int g8, int t4) { return FAT_LANE_W(g8, t4); }
+__host__ __device__ __forceinline__ int lane_x(int g8, int t4) { return FAT_LANE_X(g8, t4); }
+// Stage s (step j of the tile) as the consumers read it: weight, x.
+__host__ __device__ __forceinline__ int read_w(int s) { return s * STAGE_BYTES; }
+__host__ __device__ __forceinline__ int read_x(int s, int j) {
+  return XRES ? RING_BYTES + j * CHUNK * 2 : s * STAGE_BYTES + STAGE_W;
+}
+__host__ __device__ __forceinline__ int row_w(int st, int h) { return h ? FAT_ROW_W1(st) : FAT_ROW_W0(st); }
+__host__ __device__ __forceinline__ int row_x(int f) { return f * 8 * (XRES ? XPITCH : PITCH); }
+__host__ __device__ __forceinline__ int unit_off(int u) { return u * 64; }
+
+// Warp w: subtiles tg * WT .. tg * WT + WT - 1, units kg, kg + KW, ... of each chunk.
+__host__ __device__ __forceinline__ int warp_tg(int warp) { return warp % TG; }
+__host__ __device__ __forceinline__ int warp_kg(int warp) { return warp / TG; }
+__host__ __device__ __forceinline__ int subtile(int tg, int a) { return tg * WT + a; }
+__host__ __device__ __forceinline__ int unit_of(int kg, int q) { return kg + q * KW; }
+
+// acc[a][f] (the m16n8k16 D fragment of lane (g8, t4)) holds weight row
+// acc_row(st, g8) (+ 8 for elements 2, 3) and x row acc_mm(f, t4) (+ 1 for
+// elements 1, 3); tile element elem(mm, r) is out[mm, tile row r].
+__host__ __device__ __forceinline__ int acc_row(int st, int g8) { return st * 16 + g8; }
+__host__ __device__ __forceinline__ int acc_mm(int f, int t4) { return f * 8 + 2 * t4; }
+__host__ __device__ __forceinline__ int elem(int mm, int r) { return mm * ROWS + r; }
+__host__ __device__ __forceinline__ int elem_mm(int e) { return e / ROWS; }
+__host__ __device__ __forceinline__ int elem_r(int e) { return e % ROWS; }
+
+// Split-K: element e is finished by rank owner_of(e), which reads it from
+// inbox slot inbox_base(pushing rank) + inbox_index(e).
+__host__ __device__ __forceinline__ int owner_of(int e) { return e / PER; }
+__host__ __device__ __forceinline__ int inbox_base(int rank) { return FAT_INBOX_BASE(rank); }
+__host__ __device__ __forceinline__ int inbox_index(int e) { return e - owner_of(e) * PER; }
 
 }  // namespace fat
 
@@ -257,16 +326,10 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
   const int lane = threadIdx.x & 31;
   const int mv = m < MB ? m : MB;
 
-  Work wk;
   const int rank = SPLIT > 1 ? (int)cluster_rank() : 0;
-  wk.tile0 = blockIdx.x;
-  wk.step = gridDim.x;
-  wk.ntile = (TILES - wk.tile0 + wk.step - 1) / wk.step;
-  wk.c_begin = rank * CHUNKS / SPLIT;
-  wk.cpt = (rank + 1) * CHUNKS / SPLIT - wk.c_begin;
-  wk.total = wk.ntile * wk.cpt;
-  const int x_k0 = wk.c_begin * CHUNK;  // the rank's K range (resident x)
-  const int x_len = ((wk.c_begin + wk.cpt) * CHUNK < K ? (wk.c_begin + wk.cpt) * CHUNK : K) - x_k0;
+  const Work wk = make_work(blockIdx.x, gridDim.x, rank);
+  const int x_k0 = wk.x_k0();  // the rank's K range (resident x)
+  const int x_len = wk.x_len();
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -290,14 +353,14 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
         const int tile = wk.tile(g), c = wk.chunk(g);
         const int rows = tile_rows(tile);
         const u32 bytes = (u32)chunk_len(c) * 2;
-        const u32 dst = s_ring + (u32)(g % STAGES) * STAGE_BYTES;
+        const u32 dst = s_ring + FAT_STAGE_W(g);
         const unsigned short* src = w + (u64)tile * ROWS * K + (u64)c * CHUNK;
         for (int r = 0; r < rows; ++r) bulk_copy(dst + r * PITCH, src + (u64)r * K, bytes, full, policy);
       };
       auto issue_x = [&](int g, u32 full) {
         const int c = wk.chunk(g);
         const u32 bytes = (u32)chunk_len(c) * 2;
-        const u32 dst = s_ring + (u32)(g % STAGES) * STAGE_BYTES + STAGE_W;
+        const u32 dst = s_ring + FAT_STAGE_W(g) + STAGE_W;
         for (int r = 0; r < mv; ++r) bulk_copy(dst + r * PITCH, x + r * x_stride + (long long)c * CHUNK, bytes, full);
       };
       auto expect = [&](int g, u32 full) {  // weight rows (+ x rows) of chunk g
@@ -331,9 +394,9 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
     // ---------------------------------------------------------------- consumers
     grid_dependency_wait();  // before any write of out (its memory may be the previous grid's)
     const int g8 = lane >> 2, t4 = lane & 3;
-    const int tg = warp % TG, kg = warp / TG;
-    const int frag = g8 * PITCH + t4 * 16;  // this thread's 16 bytes of row g8, unit 0
-    const int xfrag = g8 * (XRES ? XPITCH : PITCH) + t4 * 16;
+    const int tg = warp_tg(warp), kg = warp_kg(warp);
+    const int frag = FAT_LANE_W(g8, t4);  // this thread's 16 bytes of row g8, unit 0
+    const int xfrag = FAT_LANE_X(g8, t4);
     if (XRES) mbar_wait(bar_x, 0);
 
     int g = 0;
@@ -352,21 +415,21 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
         const int s = g % STAGES;
         mbar_wait(bar_full + 8 * s, (u32)(g / STAGES) & 1u);
         const int units = EVEN_UNITS ? UNITS : chunk_len(wk.c_begin + j) / 32;
-        const unsigned char* sw = smem + s * STAGE_BYTES + frag;
-        const unsigned char* sx = (XRES ? smem + RING_BYTES + j * CHUNK * 2 : smem + s * STAGE_BYTES + STAGE_W) + xfrag;
+        const unsigned char* sw = smem + read_w(s) + frag;
+        const unsigned char* sx = smem + read_x(s, j) + xfrag;
 #pragma unroll 4  // (full unrolling lets ptxas hoist every unit's loads: spills at 16 units)
         for (int q = 0; q < UPW; ++q) {
-          const int u = kg + q * KW;
+          const int u = unit_of(kg, q);
           if (!EVEN_UNITS && u >= units) break;
           V4 xf[MF];
 #pragma unroll
-          for (int f = 0; f < MF; ++f) xf[f] = lds128(sx + f * 8 * (XRES ? XPITCH : PITCH) + u * 64);
+          for (int f = 0; f < MF; ++f) xf[f] = lds128(sx + row_x(f) + unit_off(u));
 #pragma unroll
           for (int a = 0; a < WT; ++a) {
-            const int st = tg * WT + a;  // subtile
+            const int st = subtile(tg, a);
             if (!FULL_ROWS && st * 16 >= rows) continue;
-            const V4 lo = lds128(sw + st * 16 * PITCH + u * 64);
-            const V4 hi = lds128(sw + (st * 16 + 8) * PITCH + u * 64);
+            const V4 lo = lds128(sw + FAT_ROW_W0(st) + unit_off(u));
+            const V4 hi = lds128(sw + FAT_ROW_W1(st) + unit_off(u));
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -384,13 +447,13 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
       // Where tile element e = mm * ROWS + r goes: out (SPLIT == 1), or the
       // inbox of the rank that finishes it, slot [this rank][e % PER].
       auto emit = [&](int e, float v) {
-        const int mm = e / ROWS, r = e % ROWS;
+        const int mm = elem_mm(e), r = elem_r(e);
         if (mm >= mv || (!FULL_ROWS && r >= rows)) return;
         if (SPLIT == 1) {
           out[(long long)mm * N + n_base + r] = to_bf16(v);
         } else {
-          const int owner = e / PER;
-          store_peer(smem_addr(inbox + rank * PER + (e - owner * PER)), (u32)owner, v);
+          const int owner = owner_of(e);
+          store_peer(smem_addr(inbox + inbox_base(rank) + inbox_index(e)), (u32)owner, v);
         }
       };
       if (SPLIT > 1) {  // every peer runs (one tile per CTA: once)
@@ -400,29 +463,29 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
       if (KW == 1) {
 #pragma unroll
         for (int a = 0; a < WT; ++a) {
-          const int r = (tg * WT + a) * 16 + g8;
+          const int r = acc_row(subtile(tg, a), g8);
 #pragma unroll
           for (int f = 0; f < MF; ++f) {
-            const int mm = f * 8 + 2 * t4;
-            emit(mm * ROWS + r, acc[a][f][0]);
-            emit((mm + 1) * ROWS + r, acc[a][f][1]);
-            emit(mm * ROWS + r + 8, acc[a][f][2]);
-            emit((mm + 1) * ROWS + r + 8, acc[a][f][3]);
+            const int mm = acc_mm(f, t4);
+            emit(elem(mm, r), acc[a][f][0]);
+            emit(elem(mm + 1, r), acc[a][f][1]);
+            emit(elem(mm, r) + 8, acc[a][f][2]);
+            emit(elem(mm + 1, r) + 8, acc[a][f][3]);
           }
         }
       } else {
         float* buf = red + (i & 1) * KW * TILE;  // [kg][mm * ROWS + row]
 #pragma unroll
         for (int a = 0; a < WT; ++a) {
-          const int r = (tg * WT + a) * 16 + g8;
+          const int r = acc_row(subtile(tg, a), g8);
 #pragma unroll
           for (int f = 0; f < MF; ++f) {
-            const int mm = f * 8 + 2 * t4;
+            const int mm = acc_mm(f, t4);
             float* p = buf + kg * TILE;
-            p[mm * ROWS + r] = acc[a][f][0];
-            p[(mm + 1) * ROWS + r] = acc[a][f][1];
-            p[mm * ROWS + r + 8] = acc[a][f][2];
-            p[(mm + 1) * ROWS + r + 8] = acc[a][f][3];
+            p[elem(mm, r)] = acc[a][f][0];
+            p[elem(mm + 1, r)] = acc[a][f][1];
+            p[elem(mm, r) + 8] = acc[a][f][2];
+            p[elem(mm + 1, r) + 8] = acc[a][f][3];
           }
         }
         consumer_sync();
@@ -447,12 +510,12 @@ dsv3_fused_a_gemm_tma(const unsigned short* __restrict__ x, const unsigned short
     cluster_sync();
     const int tile = wk.tile0;
     const int rows = tile_rows(tile);
-    for (int j = threadIdx.x; j < PER && rank * PER + j < TILE; j += THREADS) {
+    for (int j = threadIdx.x; j < PER && FAT_INBOX_BASE(rank) + j < TILE; j += THREADS) {
       float v = inbox[j];
 #pragma unroll
-      for (int p = 1; p < SPLIT; ++p) v += inbox[p * PER + j];
-      const int e = rank * PER + j;
-      const int mm = e / ROWS, r = e % ROWS;
+      for (int p = 1; p < SPLIT; ++p) v += inbox[FAT_INBOX_BASE(p) + j];
+      const int e = FAT_INBOX_BASE(rank) + j;
+      const int mm = elem_mm(e), r = elem_r(e);
       if (mm < mv && (FULL_ROWS || r < rows)) out[(long long)mm * N + tile * ROWS + r] = to_bf16(v);
     }
   }

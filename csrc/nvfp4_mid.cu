@@ -172,8 +172,9 @@ __device__ __forceinline__ void load_peer_v4(u32 addr, u32 rank, float (&v)[4]) 
                : "memory");
 }
 
-// Byte offset of word q of quad thread t4 of row r within a unit's rows.
-__device__ __forceinline__ u32 slot_offset(int r, int t4, int q) {
+// Byte offset of word q of quad thread t4 of row r within a unit's rows
+// (also a host function: tests/test_csrc_host.py checks the slots).
+__host__ __device__ __forceinline__ u32 slot_offset(int r, int t4, int q) {
   return (u32)(r * ROW_SMEM + (t4 * 4 + (q ^ (((r & 1) << 1) | (t4 >> 1)))) * 16);
 }
 

@@ -1,16 +1,17 @@
 """Backend ``cuda_gemv`` of nvfp4 (ops/nvfp4_gemv.py, csrc/nvfp4_gemv.cu).
 
-CPU: the decoder's bit tricks on a numpy emulator, NVRTC compiles of every
-instance the dispatch and the benchmark use (sm_90a, no GPU needed), the
-config predicate, the opt-in gating, argument checks.  GPU (skipped without
+CPU: the decode's exactness (the decoder itself is tested compiled for the
+host, tests/test_csrc_host.py), NVRTC compiles of every instance the dispatch
+and the benchmark use (sm_90a, no GPU needed), the config predicate, its
+place in the sm90 policy and its switch, argument checks.  GPU (skipped without
 CUDA): against the float64 reference at M in 1, 3, 8, 16, 17, 29, 32 (every M
 bucket), llama8b shapes and an odd N, bias and alpha, poisoned outputs,
 strided rows, CUDA graphs, determinism."""
 
 from __future__ import annotations
 
+import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from helpers import nvfp4_problem as _problem
@@ -28,40 +29,9 @@ requires_sm90 = pytest.mark.skipif(
 
 
 # ----------------------------------------------------------------------------
-# The decoder (decode8 in the .cu file), emulated bit for bit
+# The decode's exactness (the decoder itself: tests/test_csrc_host.py, compiled
+# for the host from csrc/nvfp4_decode.cuh)
 # ----------------------------------------------------------------------------
-
-
-def _rotl(x, s):
-    return ((x << s) | (x >> (32 - s))) & 0xFFFFFFFF
-
-
-def decode8_emulated(w: np.ndarray) -> np.ndarray:
-    """uint32 words -> [len, 4] uint32 fp16x2 registers, as decode8 computes
-    them before the scale multiply."""
-    w = w.astype(np.uint64)
-    rot = _rotl(w, 3)
-    xe = (w & ~np.uint64(0x40404040) & 0xFFFFFFFF) | (rot & 0x40404040)
-    xo = (w & ~np.uint64(0x04040404) & 0xFFFFFFFF) | (rot & 0x04040404)
-    f = 0x8E008E00
-    r = [((xe << 9) & 0xFFFFFFFF) & f, ((xo << 5) & 0xFFFFFFFF) & f, (xe << 1) & 0xFFFFFFFF & f,
-         ((xo >> 3) | (xo << 29)) & 0xFFFFFFFF & f]
-    return np.stack(r, axis=1).astype(np.uint32)
-
-
-def test_decoder_gives_every_code_exactly():
-    rng = np.random.default_rng()
-    words = np.concatenate([rng.integers(0, 2 ** 32, 20000, dtype=np.uint64),
-                            np.array([0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567, 0xFFFFFFFF, 0], dtype=np.uint64)])
-    regs = decode8_emulated(words)
-    halves = np.stack([regs & 0xFFFF, regs >> 16], axis=2).astype(np.uint16).view(np.float16).astype(np.float64)
-    codes = (words[:, None] >> (4 * np.arange(8, dtype=np.uint64))) & 0xF
-    want = nv.e2m1_decode(torch.from_numpy(codes.astype(np.uint8))).double().numpy() * 2.0 ** -14
-    for j in range(4):  # register j = {lo: code j, hi: code j + 4}
-        np.testing.assert_array_equal(halves[:, j, 0], want[:, j])
-        np.testing.assert_array_equal(halves[:, j, 1], want[:, j + 4])
-    # signs survive on zeros too (-0 codes)
-    assert np.signbit(halves[-2]).all()
 
 
 def test_scaled_products_are_exact_in_fp16():
@@ -109,22 +79,6 @@ def test_instance_compiles_without_spills(n, k, mb, cfg, out_dtype, bias_dtype, 
     assert gv.config_valid(cfg, n, k, mb, w4a16) == (True, "ok")
     regs = nvrtc_registers(gv.kernel_spec(n, k, mb, cfg, out_dtype, bias_dtype, act))
     assert regs <= cfg.registers(mb, w4a16), f"estimate {cfg.registers(mb, w4a16)} below the real {regs} registers"
-
-
-def test_w4a16_activation_pairs_follow_the_decoder_order():
-    """The kernel's __byte_perm pairs of 16-bit activations, emulated: register
-    4q + j must hold {k 8q + j, k 8q + j + 4} like decode8's weight registers."""
-    def byte_perm(x, y, sel):
-        src = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
-        return sum(src[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
-
-    vals = np.random.default_rng().integers(0, 2 ** 16, 32, dtype=np.uint32)
-    for q in range(4):
-        v = [int(vals[8 * q + 2 * i] | (vals[8 * q + 2 * i + 1] << 16)) for i in range(4)]
-        regs = [byte_perm(v[0], v[2], 0x5410), byte_perm(v[0], v[2], 0x7632),
-                byte_perm(v[1], v[3], 0x5410), byte_perm(v[1], v[3], 0x7632)]
-        for j in range(4):
-            assert regs[j] & 0xFFFF == vals[8 * q + j] and regs[j] >> 16 == vals[8 * q + j + 4]
 
 
 def test_decoded_weights_are_exact_in_bf16():
@@ -207,17 +161,19 @@ def test_prebuild_hook():
 # ----------------------------------------------------------------------------
 
 
-def test_registered_and_first_on_sm90_by_default(fake_sm90):
+def test_registered_and_first_on_sm90_by_default(fake_sm90, monkeypatch):
     assert gv.NAME in backends.names("nvfp4")
-    order = backends.priority("nvfp4", torch.device("cuda", 0))
-    assert (order[0] == gv.NAME) == gv.ENABLED and gv.ENABLED == gv.enabled_by_env()
-    backends.set_priority("nvfp4", "sm90", gv.sm90_priority(False))
+    assert backends.priority("nvfp4", torch.device("cuda", 0))[0] == gv.NAME
+    var = backends.policy("nvfp4", "sm90").switches[gv.NAME]
+    assert var == "SCALEDMM_NVFP4_GEMV"
+    monkeypatch.setenv(var, "0")  # read at selection time
     assert gv.NAME not in backends.priority("nvfp4", torch.device("cuda", 0))
     assert backends.select(_problem(1), "nvfp4_mm").name != gv.NAME
+    with scaledmm.use_backend("nvfp4", gv.NAME):  # an explicit request still reaches it
+        assert backends.select(_problem(1), "nvfp4_mm").name == gv.NAME
 
 
-def test_env_gate_puts_it_first_for_small_m(fake_sm90):
-    backends.set_priority("nvfp4", "sm90", gv.sm90_priority(True))
+def test_first_for_small_m(fake_sm90):
     assert backends.priority("nvfp4", torch.device("cuda", 0))[0] == gv.NAME
     for m in (1, 3, 8, 16, 17, 32):
         assert backends.select(_problem(m), "nvfp4_mm").name == gv.NAME
@@ -226,18 +182,26 @@ def test_env_gate_puts_it_first_for_small_m(fake_sm90):
     assert backends.select(_problem(4, w4a16=True), "nvfp4_w4a16_mm").name == gv.NAME
     assert backends.select(_problem(16, w4a16=True), "nvfp4_w4a16_mm").name == gv.NAME
     assert backends.select(_problem(17, w4a16=True), "nvfp4_w4a16_mm").name != gv.NAME
-    assert gv.sm90_priority(True).count(gv.NAME) == 1
+    assert backends.priority("nvfp4", torch.device("cuda", 0)).count(gv.NAME) == 1
 
 
-def test_env_var_is_read(monkeypatch):
-    monkeypatch.setenv(gv.ENV_ENABLE, "1")
-    assert gv.enabled_by_env()
-    monkeypatch.setenv(gv.ENV_ENABLE, "0")
-    assert not gv.enabled_by_env()
-    monkeypatch.setenv(gv.ENV_ENABLE, "")
-    assert not gv.enabled_by_env()
-    monkeypatch.delenv(gv.ENV_ENABLE)
-    assert gv.enabled_by_env()  # on unless switched off
+def test_switch_values(fake_sm90, monkeypatch):
+    var = backends.policy("nvfp4", "sm90").switches[gv.NAME]
+    for value, on in (("1", True), ("0", False), ("", False), ("yes", True), (None, True)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+        assert (backends.select(_problem(4), "nvfp4_mm").name == gv.NAME) == on, value
+
+
+def test_misaligned_operands_go_elsewhere(fake_sm90):
+    p = dataclasses.replace(_problem(4), options=_problem(4).options + (("aligned16", False),))
+    ok, why = gv.can_implement(p)
+    assert not ok and "16-byte aligned" in why
+    assert backends.select(p, "nvfp4_mm").name not in (gv.NAME, "cuda_mid")
+    with scaledmm.use_backend("nvfp4", gv.NAME), pytest.raises(RuntimeError, match="16-byte aligned"):
+        backends.select(p, "nvfp4_mm")
 
 
 @pytest.mark.parametrize("p,why", [
@@ -348,7 +312,11 @@ def test_gpu_zero_m_strided_and_misaligned():
     assert calls[-1][1] != gv.NAME
     shifted = torch.zeros(4, 512 + 16, dtype=torch.uint8, device="cuda")
     shifted[:, 1:257] = qa  # stride 528 bytes (a multiple of 16) but the base is 1 byte off
-    _check(_run(shifted[:, 1:257], sa, qb, sb, alpha), qa, sa, qb, sb, alpha)  # the backend falls back itself
+    with pytest.raises(RuntimeError, match="16-byte aligned"):  # requested: refused with the reason
+        _run(shifted[:, 1:257], sa, qb, sb, alpha)
+    with backends.record() as calls:  # automatic: the policy's next backend that can run it
+        _check(torch.ops.scaledmm.nvfp4_mm(shifted[:, 1:257], qb, sa, sb, alpha), qa, sa, qb, sb, alpha)
+    assert calls[-1][1] not in (gv.NAME, "cuda_mid")
 
 
 @requires_sm90
@@ -480,7 +448,7 @@ def test_gpu_w4a16_strided_misaligned_auto_and_graph():
     assert calls[-1][1] != gv.NAME
     with backends.record() as calls:  # aligned, M <= 16: this backend by default
         first = torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, alpha)
-    assert calls[-1][1] == gv.NAME or not gv.ENABLED
+    assert calls[-1][1] == gv.NAME or not backends.policy("nvfp4", x.device).enabled(gv.NAME)
     assert torch.equal(first, _run16(x, qb, sb, alpha))
     x2, _, _, _ = _w4a16_operands(8, 4096, 4096)
     graph = torch.cuda.CUDAGraph()

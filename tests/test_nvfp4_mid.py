@@ -1,8 +1,9 @@
 """Backend ``cuda_mid`` of nvfp4 (ops/nvfp4_mid.py, csrc/nvfp4_mid.cu).
 
-CPU: the shared-memory slot swizzle (conflict-free quarter warps, a bijection),
-NVRTC compiles of the instances dispatch and the benchmark use (sm_90a, no
-GPU), the config predicate, the priority list and gating, argument checks.
+CPU (the shared-memory slot swizzle: tests/test_csrc_host.py, compiled for
+the host from the .cu file): NVRTC compiles of the instances dispatch and the
+benchmark use (sm_90a, no GPU), the config predicate, the priority list and
+gating, argument checks.
 GPU (skipped without an sm90 GPU): against the float64 reference at M in 17,
 33, 64, 65, 100, 128 and 300 (row slices), llama8b shapes, odd N and a K
 with a partial 128-wide unit, bias / alpha / output dtypes, W4A16 (bf16 and
@@ -29,26 +30,6 @@ U8, BF16, F16 = torch.uint8, torch.bfloat16, torch.float16
 nvrtc = pytest.mark.skipif(not jit.nvrtc_available()[0], reason="NVRTC not available")
 requires_sm90 = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm90 GPU")
-
-
-# ----------------------------------------------------------------------------
-# The shared-memory layout (slot_offset in the .cu file), emulated
-# ----------------------------------------------------------------------------
-
-
-def _slot(r: int, t4: int, q: int) -> int:
-    return r * 256 + (t4 * 4 + (q ^ (((r & 1) << 1) | (t4 >> 1)))) * 16
-
-
-def test_slots_are_a_bijection_and_quarter_warps_conflict_free():
-    rows = 8
-    offsets = {_slot(r, t, q) for r in range(rows) for t in range(4) for q in range(4)}
-    assert offsets == set(range(0, rows * 256, 16))  # every 16-byte slot once
-    for q in range(4):
-        for quarter in range(4):  # lanes 8p .. 8p + 7: rows 2p, 2p + 1 (+ 8 f) x quad threads 0..3
-            for f in range(2):
-                groups = {(_slot(f * 8 + 2 * quarter + (lane >> 2), lane & 3, q) // 16) % 8 for lane in range(8)}
-                assert len(groups) == 8, (q, quarter, groups)
 
 
 # ----------------------------------------------------------------------------
@@ -153,7 +134,7 @@ def test_prebuild_hook():
 
 def test_priority_after_the_gemv_and_the_m_ranges(fake_sm90):
     order = [gv.NAME, md.NAME, "decode_cublas", "triton", "reference"]
-    backends.set_priority("nvfp4", "sm90", order)
+    assert backends.priority("nvfp4", torch.device("cuda", 0)) == order  # the shipped sm90 policy
     for m in (1, 16, 32):
         assert backends.select(_problem(m), "nvfp4_mm").name == gv.NAME
     for m in (33, 64, md.MAX_M):
@@ -162,23 +143,22 @@ def test_priority_after_the_gemv_and_the_m_ranges(fake_sm90):
     assert md.MAX_M + 1 == dc.MIN_M  # no gap between the two backends' M ranges
     assert backends.select(_problem(17, w4a16=True), "nvfp4_w4a16_mm").name == md.NAME
     assert backends.select(_problem(40, out_dtype=torch.float32), "nvfp4_mm").name not in (md.NAME, gv.NAME)
-    assert md.with_backend(order, False) == [gv.NAME, "decode_cublas", "triton", "reference"]
-    assert md.with_backend(md.with_backend(order, True), True) == order
 
 
-def test_shipped_priority():
-    order = backends.arch_priority("nvfp4", "sm90")
-    assert (md.NAME in order) == md.ENABLED
-    if md.ENABLED and gv.ENABLED:
-        assert order.index(md.NAME) == order.index(gv.NAME) + 1
-    assert md.NAME not in backends.arch_priority("nvfp4", "sm80")
-
-
-def test_env_var_is_read(monkeypatch):
-    monkeypatch.setenv(md.ENV_ENABLE, "0")
-    assert not md.enabled_by_env()
-    monkeypatch.delenv(md.ENV_ENABLE)
-    assert md.enabled_by_env()
+def test_shipped_policy_and_switch(fake_sm90, monkeypatch):
+    sm90 = backends.policy("nvfp4", "sm90")
+    assert sm90.order.index(md.NAME) == sm90.order.index(gv.NAME) + 1
+    assert md.NAME not in backends.policy("nvfp4", "sm80").order
+    var = sm90.switches[md.NAME]
+    assert var == "SCALEDMM_NVFP4_MID"
+    monkeypatch.setenv(var, "0")  # read at selection time: the next backend takes its M range
+    assert md.NAME not in backends.priority("nvfp4", torch.device("cuda", 0))
+    assert backends.select(_problem(64), "nvfp4_mm").name == "triton"
+    assert backends.select(_problem(16), "nvfp4_mm").name == gv.NAME
+    monkeypatch.setenv(sm90.switches[gv.NAME], "0")  # both off: triton below 128
+    assert backends.select(_problem(16), "nvfp4_mm").name == "triton"
+    monkeypatch.delenv(var)
+    assert backends.select(_problem(16), "nvfp4_mm").name == md.NAME  # cuda_gemv off: cuda_mid first
 
 
 @pytest.mark.parametrize("p,why", [
@@ -303,8 +283,13 @@ def test_gpu_strided_rows_nan_scale_zero_m_and_misaligned():
     qa0, sa0 = torch.ops.scaledmm.nvfp4_quant(torch.empty(0, k, dtype=BF16, device="cuda"), alpha)
     assert _run(qa0, qb, sa0, sb, alpha).shape == (0, n)
     shifted = torch.zeros(m, k // 2 + 16, dtype=U8, device="cuda")
-    shifted[:, 1:1 + k // 2] = qa  # base one byte off: the backend hands the call on
-    _check(_run(shifted[:, 1:1 + k // 2], qb, sa, sb, alpha), nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha)
+    shifted[:, 1:1 + k // 2] = qa  # base one byte off: refused when requested, another backend in auto
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        _run(shifted[:, 1:1 + k // 2], qb, sa, sb, alpha)
+    with backends.record() as calls:
+        out = torch.ops.scaledmm.nvfp4_mm(shifted[:, 1:1 + k // 2], qb, sa, sb, alpha)
+    assert calls[-1][1] not in (gv.NAME, md.NAME)
+    _check(out, nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha)
 
 
 @requires_sm90
@@ -314,7 +299,7 @@ def test_gpu_deterministic_auto_and_cuda_graph():
     assert torch.equal(first, _run(qa, qb, sa, sb, alpha))
     with backends.record() as calls:
         auto = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha)
-    if md.ENABLED:
+    if backends.policy("nvfp4", qa.device).enabled(md.NAME):
         assert calls[-1][1] == md.NAME and torch.equal(auto, first)
     qa2, sa2, _, _, _ = _operands(64, 4096, 4096)
     graph = torch.cuda.CUDAGraph()

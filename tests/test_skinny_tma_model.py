@@ -1,12 +1,17 @@
-"""A CPU model of the index math of ``csrc/dsv3_fused_a_gemm_tma.cu``.
+"""A CPU run of the data movement of ``csrc/dsv3_fused_a_gemm_tma.cu``.
 
-The kernel needs an sm90 GPU; this model replays, in NumPy, what its producer
-copies where (``TmaConfig.layout``: pitches, stage offsets, resident x), which
-16-byte fragments each consumer lane reads, how ``mma.sync m16n8k16`` combines
-them (the PTX fragment layouts), and the k-group, split-K and persistent-tile
-bookkeeping, then checks the result against a float64 product.  It mirrors the
-kernel line by line (same names), so an edit of one must be repeated in the
-other; the GPU tests and ``benchmarks/device_skinny.py`` check the real thing.
+The kernel needs an sm90 GPU.  Its index math is plain C++ in namespace
+``fat`` of the .cu file: the CTA's work (tiles, chunks, the resident x range),
+the shared-memory offsets of the producer's copies and of each consumer lane's
+16-byte fragments, the warps' roles, where each accumulator lands in the tile
+and the split-K inbox.  Here that code is compiled for the host with each
+config's defines (``csrc_harness``; ``FA_SMEM_BYTES`` from the Python launcher,
+which the kernel's static_assert checks) and this model moves the data through
+it: weight and x bytes into a flat shared memory, fragments read back where
+the lanes read them, multiplied as ``mma.sync m16n8k16`` defines its fragments
+(the PTX ISA), sums placed where the kernel stores them.  The loops (tiles,
+chunks, units, subtiles) follow the kernel's; the result must be the float64
+product.  The GPU tests and ``benchmarks/device_skinny.py`` check the real thing.
 """
 
 from __future__ import annotations
@@ -14,7 +19,47 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from csrc_harness import build, needs_nvcc
 from scaledmm.ops import skinny_fused_a as fa
+
+pytestmark = needs_nvcc
+
+
+class Fat:
+    """The kernel's index functions for one instantiation, as tables over
+    their domains (one harness call each)."""
+
+    def __init__(self, harness, gx: int):
+        self.h = harness
+        c = self.c = harness.consts()
+        self.work = {}
+        recs = [(bx, gx, r) for bx in range(gx) for r in range(c["SPLIT"])]
+        for (bx, _, r), v in zip(recs, harness.ints("work", recs)):
+            self.work[(bx, r)] = dict(zip(("tile0", "step", "ntile", "c_begin", "cpt", "total", "x_k0", "x_len"), v))
+        recs = [(bx, gx, r, g) for (bx, r), wk in self.work.items() for g in range(wk["total"])]
+        self.seq = {}
+        for (bx, _, r, g), (t, ch) in zip(recs, harness.ints("sequence", recs)):
+            self.seq[(bx, r, g)] = (t, ch)
+        total = max(wk["total"] for wk in self.work.values())
+        cpt = max(wk["cpt"] for wk in self.work.values())
+        T = self.table
+        self.tile_rows, self.chunk_len = T("tile_rows", c["TILES"]), T("chunk_len", c["CHUNKS"])
+        self.stage_w = T("stage_w", total)
+        self.lane_w, self.lane_x = T("lane_w", 8, 4), T("lane_x", 8, 4)
+        self.read_w, self.read_x = T("read_w", c["STAGES"]), T("read_x", c["STAGES"], cpt)
+        self.row_w, self.row_x, self.unit_off = T("row_w", c["NT"], 2), T("row_x", c["MF"]), T("unit_off", c["UNITS"])
+        self.warp_tg, self.warp_kg = T("warp_tg", c["CW"]), T("warp_kg", c["CW"])
+        self.subtile, self.unit_of = T("subtile", c["TG"], c["WT"]), T("unit_of", c["KW"], c["UPW"])
+        self.acc_row, self.acc_mm = T("acc_row", c["NT"], 8), T("acc_mm", c["MF"], 4)
+        self.elem = T("elem", c["MB"], c["ROWS"])
+        self.elem_mm, self.elem_r = T("elem_mm", c["TILE"]), T("elem_r", c["TILE"])
+        self.owner_of, self.inbox_index = T("owner_of", c["TILE"]), T("inbox_index", c["TILE"])
+        self.inbox_base = T("inbox_base", c["SPLIT"])
+
+    def table(self, op: str, *dims: int) -> np.ndarray:
+        grid = np.meshgrid(*(np.arange(d) for d in dims), indexing="ij")
+        recs = np.stack([g.ravel() for g in grid], 1)
+        return self.h.ints(op, recs)[:, 0].reshape(dims)
 
 
 def _mma(acc: np.ndarray, lo: np.ndarray, hi: np.ndarray, xf: np.ndarray, h: int) -> None:
@@ -22,164 +67,138 @@ def _mma(acc: np.ndarray, lo: np.ndarray, hi: np.ndarray, xf: np.ndarray, h: int
 
     lo, hi: [32 lanes, 8] weight elements of rows g and g + 8 (k = 8t .. 8t+7 of
     a unit); xf: [32, 8] x row g.  Register j of a lane holds elements 2j, 2j+1.
-    Step h uses registers 2h (a0/a1, b0) and 2h + 1 (a2/a3, b1)."""
+    Step h passes registers 2h (a0/a1, b0) and 2h + 1 (a2/a3, b1), as the
+    kernel's mma_bf16 call does."""
     a = np.zeros((16, 16))
     b = np.zeros((16, 8))
     for lane in range(32):
         g, t = lane >> 2, lane & 3
-        r0 = lo[lane, 4 * h:4 * h + 2]  # register 2h of row g
-        r1 = hi[lane, 4 * h:4 * h + 2]
-        r2 = lo[lane, 4 * h + 2:4 * h + 4]  # register 2h + 1
-        r3 = hi[lane, 4 * h + 2:4 * h + 4]
-        a[g, 2 * t:2 * t + 2] = r0  # a0: row g, cols 2t, 2t+1
-        a[g + 8, 2 * t:2 * t + 2] = r1  # a1: row g+8
-        a[g, 2 * t + 8:2 * t + 10] = r2  # a2: row g, cols 2t+8, 2t+9
-        a[g + 8, 2 * t + 8:2 * t + 10] = r3  # a3
+        a[g, 2 * t:2 * t + 2] = lo[lane, 4 * h:4 * h + 2]  # a0: row g, cols 2t, 2t+1
+        a[g + 8, 2 * t:2 * t + 2] = hi[lane, 4 * h:4 * h + 2]  # a1: row g+8
+        a[g, 2 * t + 8:2 * t + 10] = lo[lane, 4 * h + 2:4 * h + 4]  # a2: row g, cols 2t+8, 2t+9
+        a[g + 8, 2 * t + 8:2 * t + 10] = hi[lane, 4 * h + 2:4 * h + 4]  # a3
         b[2 * t:2 * t + 2, g] = xf[lane, 4 * h:4 * h + 2]  # b0: k 2t, 2t+1, col g
         b[2 * t + 8:2 * t + 10, g] = xf[lane, 4 * h + 2:4 * h + 4]  # b1
     acc += a @ b
 
 
-def emulate(cfg: fa.TmaConfig, x: np.ndarray, w: np.ndarray, mb: int, num_sms: int) -> np.ndarray:
+def emulate(fat: Fat, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """What the kernel writes into out [m, N] (NaN where it writes nothing)."""
-    m, k_ = x.shape
-    n_, k = w.shape
-    assert k_ == k
-    lay = cfg.layout(n_, k, mb)
-    ROWS, SPLIT, CHUNK, STAGES, CW, MB = cfg.rows, cfg.split_k, cfg.chunk, cfg.stages, cfg.warps, mb
-    NT = ROWS // 16
-    TG = min(CW, NT)
-    WT, KW = NT // TG, CW // TG
-    TILES = -(-n_ // ROWS)
-    CHUNKS = -(-k // CHUNK)
-    UNITS = CHUNK // 32
-    UPW = -(-UNITS // KW)
-    PITCH, XPITCH = lay["pitch"] // 2, (lay["xres"] // MB // 2 if cfg.x_resident else 0)  # in elements
-    XRES = cfg.x_resident
-    TILE = ROWS * MB
-    PER = -(-TILE // SPLIT)
+    c = fat.c
+    m, k = x.shape
+    n = w.shape[0]
+    assert (n, k) == (c["N"], c["K"])
+    ROWS, SPLIT, CHUNK, STAGES, MB, MF = c["ROWS"], c["SPLIT"], c["CHUNK"], c["STAGES"], c["MB"], c["MF"]
+    TILE, PER, KW, WT, PITCH = c["TILE"], c["PER"], c["KW"], c["WT"], c["PITCH"]
+    XRES = bool(c["XRES"])
     mv = min(m, MB)
-    out = np.full((m, n_), np.nan)
-    gx, gy = cfg.grid(n_, num_sms)
-    assert gy == SPLIT
+    out = np.full((m, n), np.nan)
+    lanes = np.arange(32)
+    g8s, t4s = lanes >> 2, lanes & 3
+    inboxes = {key: np.full(SPLIT * PER, np.nan) for key in fat.work}  # each CTA's inbox (DSMEM)
+    for (bx, rank), wk in fat.work.items():
+        smem = np.full(c["SMEM"] // 2, np.nan)  # bf16 elements; offsets below are bytes
 
-    def tile_rows(tile):
-        return min(ROWS, n_ - tile * ROWS)
+        def put(byte, vals):
+            assert byte % 2 == 0 and byte + 2 * len(vals) <= c["RING_BYTES"] + c["XRES_BYTES"]
+            smem[byte // 2:byte // 2 + len(vals)] = vals
 
-    def chunk_len(c):
-        return min(CHUNK, k - c * CHUNK)
+        def frags(byte):  # the 16 bytes each lane reads at byte[lane]
+            return np.stack([smem[b // 2:b // 2 + 8] for b in byte])
 
-    inboxes = {(bx, r): np.full(SPLIT * PER, np.nan) for bx in range(gx) for r in range(SPLIT)}  # DSMEM
-    for bx in range(gx):
-        for rank in range(SPLIT):
-            tile0, step = bx, gx
-            ntile = (TILES - tile0 + step - 1) // step
-            c_begin = rank * CHUNKS // SPLIT
-            cpt = (rank + 1) * CHUNKS // SPLIT - c_begin
-            x_k0 = c_begin * CHUNK
-            x_len = min((c_begin + cpt) * CHUNK, k) - x_k0
-            ring = np.full((STAGES, ROWS + (0 if XRES else MB), PITCH), np.nan)
-            xres = np.full((MB, XPITCH), np.nan) if XRES else None
-            if XRES:
-                for r in range(mv):
-                    xres[r, :x_len] = x[r, x_k0:x_k0 + x_len]
-            red = np.full((2, KW, TILE), np.nan)
-            g = 0
-            for i in range(ntile):
-                tile = tile0 + i * step
-                rows = tile_rows(tile)
-                acc = {(wp, a, f): np.zeros((16, 8)) for wp in range(CW) for a in range(WT) for f in range(MB // 8)}
-                for j in range(cpt):
-                    # producer: chunk g into slot g % STAGES
-                    s = g % STAGES
-                    c = c_begin + j
-                    ln = chunk_len(c)
-                    ring[s] = np.nan
-                    for r in range(rows):
-                        ring[s, r, :ln] = w[tile * ROWS + r, c * CHUNK:c * CHUNK + ln]
-                    if not XRES:
-                        for r in range(mv):
-                            ring[s, ROWS + r, :ln] = x[r, c * CHUNK:c * CHUNK + ln]
-                    # consumers
-                    units = ln // 32
-                    for wp in range(CW):
-                        tg, kg = wp % TG, wp // TG
-                        for q in range(UPW):
-                            u = kg + q * KW
-                            if u >= units:
-                                break
-                            lanes = np.arange(32)
-                            g8, t4 = lanes >> 2, lanes & 3
-                            xf = []
-                            for f in range(MB // 8):
-                                if XRES:
-                                    base = j * CHUNK + u * 32 + t4 * 8
-                                    xf.append(np.stack([xres[f * 8 + g8[ln_], base[ln_]:base[ln_] + 8]
-                                                        for ln_ in lanes]))
+        if XRES:
+            for r in range(mv):
+                put(c["RING_BYTES"] + r * c["XPITCH"], x[r, wk["x_k0"]:wk["x_k0"] + wk["x_len"]])
+        red = np.full(2 * KW * TILE, np.nan)
+        g = 0
+        for i in range(wk["ntile"]):
+            tile = wk["tile0"] + i * wk["step"]
+            rows = fat.tile_rows[tile]
+            acc = {(wp, a, f): np.zeros((16, 8)) for wp in range(c["CW"]) for a in range(WT) for f in range(MF)}
+            for j in range(wk["cpt"]):
+                # producer: chunk g of the CTA's sequence into its stage
+                t, ch = fat.seq[(bx, rank, g)]
+                assert t == tile
+                base = fat.stage_w[g]
+                smem[base // 2:(base + c["STAGE_BYTES"]) // 2] = np.nan  # the slot's previous chunk is gone
+                ln = fat.chunk_len[ch]
+                for r in range(fat.tile_rows[t]):
+                    put(base + r * PITCH, w[t * ROWS + r, ch * CHUNK:ch * CHUNK + ln])
+                if not XRES:
+                    for r in range(mv):
+                        put(base + c["STAGE_W"] + r * PITCH, x[r, ch * CHUNK:ch * CHUNK + ln])
+                # consumers
+                s = g % STAGES
+                units = c["UNITS"] if c["EVEN_UNITS"] else fat.chunk_len[wk["c_begin"] + j] // 32
+                for wp in range(c["CW"]):
+                    tg, kg = fat.warp_tg[wp], fat.warp_kg[wp]
+                    for q in range(c["UPW"]):
+                        u = fat.unit_of[kg, q]
+                        if u >= units:
+                            break
+                        xb = fat.read_x[s, j] + fat.lane_x[g8s, t4s] + fat.unit_off[u]
+                        xf = [frags(xb + fat.row_x[f]) for f in range(MF)]
+                        for a in range(WT):
+                            st = fat.subtile[tg, a]
+                            if st * 16 >= rows:
+                                continue
+                            wb = fat.read_w[s] + fat.lane_w[g8s, t4s] + fat.unit_off[u]
+                            lo, hi = frags(wb + fat.row_w[st, 0]), frags(wb + fat.row_w[st, 1])
+                            for h in range(2):
+                                for f in range(MF):
+                                    _mma(acc[(wp, a, f)], lo, hi, xf[f], h)
+                g += 1
+
+            n_base = tile * ROWS
+
+            def emit(e, v):
+                mm, r = fat.elem_mm[e], fat.elem_r[e]
+                if mm >= mv or r >= rows:
+                    return
+                if SPLIT == 1:
+                    out[mm, n_base + r] = v
+                else:
+                    inboxes[(bx, fat.owner_of[e])][fat.inbox_base[rank] + fat.inbox_index[e]] = v
+
+            buf = red[(i & 1) * KW * TILE:]
+            for wp in range(c["CW"]):
+                tg, kg = fat.warp_tg[wp], fat.warp_kg[wp]
+                for a in range(WT):
+                    st = fat.subtile[tg, a]
+                    for f in range(MF):
+                        d = acc[(wp, a, f)]
+                        for g8, t4 in zip(g8s, t4s):
+                            r, mm = fat.acc_row[st, g8], fat.acc_mm[f, t4]
+                            # the D fragment: c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1)
+                            vals = (d[g8, 2 * t4], d[g8, 2 * t4 + 1], d[g8 + 8, 2 * t4], d[g8 + 8, 2 * t4 + 1])
+                            where = (fat.elem[mm, r], fat.elem[mm + 1, r], fat.elem[mm, r] + 8,
+                                     fat.elem[mm + 1, r] + 8)
+                            for e, v in zip(where, vals):
+                                if KW == 1:
+                                    emit(e, v)
                                 else:
-                                    base = u * 32 + t4 * 8
-                                    xf.append(np.stack([ring[s, ROWS + f * 8 + g8[ln_], base[ln_]:base[ln_] + 8]
-                                                        for ln_ in lanes]))
-                            for a in range(WT):
-                                st = tg * WT + a
-                                if st * 16 >= rows:
-                                    continue
-                                base = u * 32 + t4 * 8
-                                lo = np.stack([ring[s, st * 16 + g8[l_], base[l_]:base[l_] + 8] for l_ in lanes])
-                                hi = np.stack([ring[s, st * 16 + 8 + g8[l_], base[l_]:base[l_] + 8] for l_ in lanes])
-                                for h in range(2):
-                                    for f in range(MB // 8):
-                                        _mma(acc[(wp, a, f)], lo, hi, xf[f], h)
-                    g += 1
-                # epilogue: D[row, col] of (wp, a, f) = weight row st*16+row, x row f*8+col
-                n_base = tile * ROWS
-
-                def emit(e, v):
-                    mm, r = e // ROWS, e % ROWS
-                    if mm >= mv or r >= rows:
-                        return
-                    if SPLIT == 1:
-                        out[mm, n_base + r] = v
-                    else:
-                        owner = e // PER
-                        inboxes[(bx, owner)][rank * PER + (e - owner * PER)] = v
-
-                buf = red[i & 1]
-                for wp in range(CW):
-                    tg, kg = wp % TG, wp // TG
-                    for a in range(WT):
-                        st = tg * WT + a
-                        for f in range(MB // 8):
-                            d = acc[(wp, a, f)]
-                            for row in range(16):
-                                for col in range(8):
-                                    e = (f * 8 + col) * ROWS + st * 16 + row
-                                    if KW == 1:
-                                        emit(e, d[row, col])
-                                    else:
-                                        buf[kg, e] = d[row, col]
-                if KW > 1:
-                    for e in range(TILE):
-                        v = buf[0, e]
-                        for q in range(1, KW):
-                            v += buf[q, e]
-                        emit(e, v)
+                                    buf[kg * TILE + e] = v
+            if KW > 1:
+                for e in range(TILE):
+                    v = buf[e]
+                    for q in range(1, KW):
+                        v += buf[q * TILE + e]
+                    emit(e, v)
     if SPLIT > 1:  # after the cluster barrier: each rank adds its PER elements over the ranks
-        for bx in range(gx):
-            tile = bx
-            rows = tile_rows(tile)
-            for rank in range(SPLIT):
-                inbox = inboxes[(bx, rank)]
-                for j in range(PER):
-                    e = rank * PER + j
-                    if e >= TILE:
-                        break
-                    v = inbox[j]
-                    for p in range(1, SPLIT):
-                        v += inbox[p * PER + j]
-                    mm, r = e // ROWS, e % ROWS
-                    if mm < mv and r < rows:
-                        out[mm, tile * ROWS + r] = v
+        for (bx, rank), wk in fat.work.items():
+            tile = wk["tile0"]
+            rows = fat.tile_rows[tile]
+            inbox = inboxes[(bx, rank)]
+            for j in range(PER):
+                e = fat.inbox_base[rank] + j
+                if e >= TILE:
+                    break
+                v = inbox[j]
+                for p in range(1, SPLIT):
+                    v += inbox[fat.inbox_base[p] + j]
+                mm, r = fat.elem_mm[e], fat.elem_r[e]
+                if mm < mv and r < rows:
+                    out[mm, tile * ROWS + r] = v
     return out
 
 
@@ -202,27 +221,43 @@ CASES = [
     (fa.TmaConfig(16, 4, 192, 2, 4), 32, 768, 8, 132),  # 6 units over 4 k-groups (2, 2, 1, 1)
     (fa.TmaConfig(64, 3, 128, 2, 4), 80, 640, 10, 132),  # split-K pushed straight from registers, partial tile
 ]
+_ids = [f"{cfg.short()}-{n}x{k}-m{m}" for cfg, n, k, m, _ in CASES]
 
 
-@pytest.mark.parametrize("cfg,n,k,m,sms", CASES, ids=lambda v: v.short() if isinstance(v, fa.TmaConfig) else str(v))
-def test_model_matches_f64(cfg, n, k, m, sms):
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    """The host build of the .cu file for each case (built once)."""
+    out = {}
+    for cfg, n, k, m, _ in CASES:
+        mb = fa.m_bucket(m)
+        key = (cfg, n, k, mb)
+        if key not in out:
+            out[key] = build("skinny_tma_host.cu", tmp_path_factory.mktemp("tma"), cfg.defines(n, k, mb))
+    return out
+
+
+@pytest.mark.parametrize("cfg,n,k,m,sms", CASES, ids=_ids)
+def test_model_matches_f64(kernels, cfg, n, k, m, sms):
     mb = fa.m_bucket(m)
     assert fa.config_valid(cfg, n, k, mb) == (True, "ok")
+    fat = Fat(kernels[(cfg, n, k, mb)], cfg.grid(n, sms)[0])
+    assert cfg.grid(n, sms)[1] == fat.c["SPLIT"]
     rng = np.random.default_rng(0)
     x, w = _bf16_values(rng, (m, k)), _bf16_values(rng, (n, k))
-    out = emulate(cfg, x, w, mb, sms)
+    out = emulate(fat, x, w)
     assert not np.isnan(out).any(), "some outputs never written"
     np.testing.assert_allclose(out, x @ w.T, rtol=1e-9, atol=1e-9)
 
 
-def test_layout_matches_kernel_formula():
-    """``layout`` is the .cu file's constexpr arithmetic (the kernel also
-    static_asserts its total against FA_SMEM_BYTES when compiled)."""
-    cfg = fa.TmaConfig(32, 2, 256, 3, 4)
-    lay = cfg.layout(2112, 7168, 16)
-    pitch = 256 * 2 + 64
-    assert lay["pitch"] == pitch and pitch % 128 == 64
-    assert lay["ring"] == 3 * (32 + 16) * pitch
-    assert lay["red"] == 2 * 2 * 32 * 16 * 4  # two k-groups, double-buffered
-    assert lay["inbox"] == 2 * (32 * 16 // 2) * 4  # two ranks' halves of the tile
-    assert lay["smem"] == lay["ring"] + lay["red"] + lay["inbox"] + (2 * 3 + 1) * 8
+@pytest.mark.parametrize("cfg,n,k,m,sms", CASES, ids=_ids)
+def test_layout_is_the_kernels(kernels, cfg, n, k, m, sms):
+    """``TmaConfig.layout`` (what the launcher passes) against the .cu file's
+    constexprs, and the bank-conflict-free pitches (64 mod 128 bytes)."""
+    mb = fa.m_bucket(m)
+    c = kernels[(cfg, n, k, mb)].consts()
+    lay = cfg.layout(n, k, mb)
+    assert (lay["pitch"], lay["stage_w"], lay["stage"], lay["ring"], lay["xres"], lay["red"], lay["inbox"],
+            lay["kgroups"], lay["chunks"], lay["smem"]) == (
+        c["PITCH"], c["STAGE_W"], c["STAGE_BYTES"], c["RING_BYTES"], c["XRES_BYTES"], c["RED_BYTES"],
+        c["INBOX_BYTES"], c["KW"], c["CHUNKS"], c["SMEM"])
+    assert c["PITCH"] % 128 == 64 and c["XPITCH"] % 128 == 64

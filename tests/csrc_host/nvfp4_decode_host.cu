@@ -1,0 +1,70 @@
+// Host harness of csrc/nvfp4_decode.cuh (see tests/test_csrc_host.py): the
+// header's __host__ __device__ helpers, compiled for the CPU.
+#include "nvfp4_decode.cuh"
+
+#include "harness.h"
+
+using namespace nvfp4_dec;
+
+static void op_decode8(const word* in, std::vector<word>& out) {  // (w, s2) -> r[4]
+  u32 r[4];
+  decode8(in[0], in[1], r);
+  out.insert(out.end(), r, r + 4);
+}
+
+static void op_scale_pairs(const word* in, std::vector<word>& out) {  // two -> (lo, hi)
+  u32 lo, hi;
+  scale_pairs(in[0], lo, hi);
+  out.push_back(lo);
+  out.push_back(hi);
+}
+
+static void op_act_pairs(const word* in, std::vector<word>& out) {  // V4 -> r[4]
+  V4 v;
+  for (int i = 0; i < 4; ++i) v.v[i] = in[i];
+  u32 r[4];
+  act_pairs(v, r);
+  out.insert(out.end(), r, r + 4);
+}
+
+// (w0[4], w1[4], q, slo[2], shi[2]) -> (r0[4], r1[4])
+template <int ACT>
+static void op_weight_word(const word* in, std::vector<word>& out) {
+  V4 w0, w1;
+  for (int i = 0; i < 4; ++i) {
+    w0.v[i] = in[i];
+    w1.v[i] = in[4 + i];
+  }
+  const u32 slo[2] = {in[9], in[10]}, shi[2] = {in[11], in[12]};
+  u32 r0[4], r1[4];
+  weight_word<ACT>(w0, w1, (int)in[8], slo, shi, r0, r1);
+  out.insert(out.end(), r0, r0 + 4);
+  out.insert(out.end(), r1, r1 + 4);
+}
+
+static void op_scale_offset(const word* in, std::vector<word>& out) {  // (r, t4, c4) -> offset
+  const long long o = scale_offset((int)in[0], (int)in[1], (int)in[2]);
+  out.push_back((word)o);
+  out.push_back((word)(o >> 32));
+}
+
+static void op_e4m3x2_to_f16x2(const word* in, std::vector<word>& out) { out.push_back(e4m3x2_to_f16x2(in[0])); }
+
+static void op_hmul2(const word* in, std::vector<word>& out) { out.push_back(hmul2(in[0], in[1])); }
+
+static void op_f16x2_to_bf16x2(const word* in, std::vector<word>& out) { out.push_back(f16x2_to_bf16x2(in[0])); }
+
+int main(int argc, char** argv) {
+  static const Op ops[] = {
+      {"decode8", 2, op_decode8},
+      {"scale_pairs", 1, op_scale_pairs},
+      {"act_pairs", 4, op_act_pairs},
+      {"weight_word_f16", 13, op_weight_word<0>},
+      {"weight_word_bf16", 13, op_weight_word<2>},
+      {"scale_offset", 3, op_scale_offset},
+      {"e4m3x2_to_f16x2", 1, op_e4m3x2_to_f16x2},
+      {"hmul2", 2, op_hmul2},
+      {"f16x2_to_bf16x2", 1, op_f16x2_to_bf16x2},
+  };
+  return run_harness(argc, argv, ops, sizeof(ops) / sizeof(ops[0]));
+}
