@@ -435,8 +435,8 @@ def run_layers(names: Sequence[str], formats: Sequence[str], ms: Sequence[int], 
             def xs(m: int, copies: int) -> list[torch.Tensor]:
                 while len(inputs[m]) < copies:  # the same inputs for every format
                     x = torch.randn(m, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-                    if m > 1:
-                        torch._dynamo.mark_dynamic(x, 0)
+                    if m > 1:  # a hint: a guard that specializes M recompiles instead of failing
+                        torch._dynamo.maybe_mark_dynamic(x, 0)
                     inputs[m].append(x)
                 return inputs[m][:copies]
 
