@@ -5,6 +5,9 @@ provider against a float64 reference and times it over a shape set and an M
 sweep.  Writes a markdown report to stdout and ``<out>/<family>.md``, a CSV,
 PNG plots and ``<out>/meta.json``; ``--write-results`` also replaces the
 family's section of ``benchmarks/RESULTS.md``.
+
+``python -m benchmarks sanitize [--only PATTERN] [--list]`` runs
+compute-sanitizer over every kernel instead (``benchmarks/sanitize.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Check and time scaledmm's backends against cuBLAS/torch baselines.",
-        epilog=f"shape sets: {', '.join(SHAPE_SETS)}; default M sweep: {','.join(map(str, DEFAULT_M))}",
+        epilog=f"shape sets: {', '.join(SHAPE_SETS)}; default M sweep: {','.join(map(str, DEFAULT_M))}.  "
+               "'python -m benchmarks sanitize --help': compute-sanitizer over every kernel.",
     )
     p.add_argument("family", choices=(*FAMILIES, *WORKLOADS, "all"),
                    help="op family to benchmark ('all': every op family; 'model': decoder layers and generate)")
@@ -107,6 +111,11 @@ def _list(family_modules, device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sanitize"]:  # a stage of its own: its options are not a family's
+        from .sanitize import main as sanitize_main
+
+        return sanitize_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -2,8 +2,11 @@
 # One call on the GPU machine (device tool): install, then run the named stages.
 #   bash benchmarks/device_all.sh tests skinny fp8 "bench:fp8_block --quick" ...
 # Stages: tests (pytest-xdist over tests/ and compile_tests/; SCALEDMM_TESTS=gpu
-# keeps the GPU cases), tests:<pytest args>, <name> for benchmarks/device_<name>.py,
-# bench:<CLI args> (python -m benchmarks ... --out <work>/bench), run:<shell command>.
+# keeps the GPU cases), tests:<pytest args>, bench:<CLI args> (python -m benchmarks ...
+# --out <work>/bench), sanitize[:<args>] (python -m benchmarks sanitize), tune (after a
+# "bench:fp8_block ... --providers ..." sweep: scaledmm/tuning/fp8_block_sm90.json from its
+# CSV, via python -m benchmarks.tune), <name> for python -m benchmarks.experiments.<name>,
+# run:<shell command>.
 # Everything lands in a work folder; $OUT gets one archive of it (the device tool
 # returns at most 8 files) plus benchmarks/RESULTS.md, and the tail of every
 # stage's log is printed last.  Timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SCRIPT_TIMEOUT.
@@ -39,7 +42,15 @@ for stage in "$@"; do
     run:*) timeout "${SCRIPT_TIMEOUT:-300}" bash -c "${stage#run:}" >"$WORK/$name.log" 2>&1 ;;
     bench:*) timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks ${stage#bench:} --out "$WORK/bench" \
              >"$WORK/$name.log" 2>&1 ;;
-    *) timeout "${SCRIPT_TIMEOUT:-300}" python3 "benchmarks/device_$stage.py" >"$WORK/$name.log" 2>&1 ;;
+    sanitize) timeout "${SCRIPT_TIMEOUT:-300}" python3 -m benchmarks sanitize --out "$WORK" >"$WORK/$name.log" 2>&1 ;;
+    sanitize:*) timeout "${SCRIPT_TIMEOUT:-300}" python3 -m benchmarks sanitize ${stage#sanitize:} --out "$WORK" \
+             >"$WORK/$name.log" 2>&1 ;;
+    tune) table=scaledmm/tuning/fp8_block_sm90.json
+          { cp "$WORK/bench/fp8_block.csv" "$WORK/sweep_fp8_block.csv" \
+              && cp "$WORK/bench/meta.json" "$WORK/sweep_meta.json" && cp "$WORK/bench/meta.json" "$WORK/meta.json" \
+              && timeout "${SCRIPT_TIMEOUT:-300}" python3 -m benchmarks.tune "$WORK/sweep_fp8_block.csv" --out "$table" \
+              && cp "$table" "$WORK/" && cat "$table"; } >"$WORK/$name.log" 2>&1 ;;
+    *) timeout "${SCRIPT_TIMEOUT:-300}" python3 -m "benchmarks.experiments.$stage" >"$WORK/$name.log" 2>&1 ;;
   esac
   rc=$?
   summary+=("== $stage: rc=$rc, $(( $(date +%s) - t0 )) s")

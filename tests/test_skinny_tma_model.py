@@ -11,7 +11,7 @@ it: weight and x bytes into a flat shared memory, fragments read back where
 the lanes read them, multiplied as ``mma.sync m16n8k16`` defines its fragments
 (the PTX ISA), sums placed where the kernel stores them.  The loops (tiles,
 chunks, units, subtiles) follow the kernel's; the result must be the float64
-product.  The GPU tests and ``benchmarks/device_skinny.py`` check the real thing.
+product.  The GPU tests and ``benchmarks/experiments/skinny.py`` check the real thing.
 """
 
 from __future__ import annotations
