@@ -108,6 +108,8 @@ def _list(family_modules, device: torch.device) -> None:
                   + ", ".join(f"{p.name} [{p.kind}]" for p in provs))
             for line in left_out:
                 print(f"    not usable on {device}: {line}")
+            for line in bench.baseline_notes(device):
+                print(f"    baseline {line}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +166,7 @@ def _run(args, shapes, ms, keep, device) -> int:
                 continue
             provs, left_out = providers(bench, device)
             notes += [f"- {bench.op}: backend {line} (not usable on this device)" for line in left_out]
+            notes += [f"- {bench.op}: baseline {line}" for line in bench.baseline_notes(device)]
             if keep is not None:
                 provs = [p for p in provs if p.name in keep]
             elif args.quick and device.type == "cuda":  # plain torch math: slow, not a kernel to tune

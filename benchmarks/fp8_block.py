@@ -4,7 +4,8 @@ Providers: ``auto`` and every backend of the ``fp8_block`` registry family
 that implements ``fp8_block_mm``; baselines ``pad4`` (``padded_fp8_block_mm``:
 always pad M to a multiple of 4, then the aligned auto choice),
 ``scaled_mm_blockwise`` (``torch._scaled_mm`` with blockwise scales, called
-directly), and the common GEMM baselines.  Activation scales are passed
+directly), ``deepgemm`` where ``deep_gemm`` imports (``benchmarks/deepgemm.py``),
+and the common GEMM baselines.  Activation scales are passed
 column-major (strides ``(1, M)``), as ``per_token_group_quant_fp8(...,
 column_major_scales=True)`` produces them for the GEMM.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from . import deepgemm
 from .baselines import gemm_baselines, gemm_flops, gemm_inputs, to_f64
 from .harness import BASELINE, OpBench, Provider, forced
 
@@ -86,7 +88,8 @@ def _baselines(device: torch.device) -> list[Provider]:
     blockwise = Provider("scaled_mm_blockwise", BASELINE, prepare, _scaled_mm_blockwise, reference,
                          to_f64, "fp8")
     pads = [_padded(name) for name in ("auto", *_aligned_only(device))]
-    return pads + [blockwise] + gemm_baselines(device)
+    peer = deepgemm.provider(prepare, reference, list(BLOCK), to_f64)  # None unless deep_gemm imports
+    return pads + [blockwise] + ([peer] if peer else []) + gemm_baselines(device)
 
 
 def benches() -> list[OpBench]:
@@ -94,5 +97,5 @@ def benches() -> list[OpBench]:
         family="fp8_block", op="fp8_block_mm", registry="fp8_block",
         make_inputs=gemm_inputs, prepare=prepare, reference=reference, to_f64=to_f64,
         problem=_problem, flops=gemm_flops, baselines=_baselines, default_shapes="dsv3",
-        unit="fp8", requires=("padded_fp8_block_mm",),
+        unit="fp8", requires=("padded_fp8_block_mm",), baseline_notes=deepgemm.notes,
     )]

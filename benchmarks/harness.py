@@ -133,6 +133,9 @@ class OpBench:
         Further ``torch.ops.scaledmm`` ops the bench calls.
     uses_weight : bool
         False for ops on the activation alone (quantizers): only K of a shape counts.
+    baseline_notes : callable(device) -> list of str
+        Lines for the family notes on optional baselines (what is called, or
+        why one is not available).
     """
 
     family: str
@@ -153,6 +156,7 @@ class OpBench:
     error: Callable[[torch.Tensor, torch.Tensor], float] = rel_err
     requires: tuple[str, ...] = ()
     uses_weight: bool = True
+    baseline_notes: Callable[[torch.device], list[str]] = lambda device: []
 
     def available(self) -> tuple[bool, str]:
         """Whether the op (and what it needs) is defined in this checkout."""
