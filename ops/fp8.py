@@ -36,6 +36,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from scaledmm import backends
 from scaledmm import validation as V
 from scaledmm.backends import Backend, Family, Problem
+from scaledmm.device import capability
 from scaledmm.oplib import FP8_DTYPE, FP8_MAX, define, run
 
 FAMILY = Family.FP8
@@ -269,7 +270,7 @@ def reference_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
 
 # Output dtypes torch._scaled_mm's row-wise path (scale_a [M, 1], scale_b
 # [1, N]) is relied on for.  torch <= 2.9 documents bf16 only; newer builds
-# with cuBLAS >= 12.9 may take more (benchmarks/device_fp8.py probes it).
+# with cuBLAS >= 12.9 may take more (benchmarks/experiments/fp8.py probes it).
 # Other dtypes take the unit-scale path below: still one cuBLAS GEMM.
 ROWWISE_OUT_DTYPES = (torch.bfloat16,)
 
@@ -308,7 +309,7 @@ def _cublas_supported(device: torch.device) -> tuple[bool, str]:
         return False, "needs a CUDA device"
     if not hasattr(torch, "_scaled_mm"):
         return False, "this torch has no torch._scaled_mm"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     if (major, minor) < (8, 9):
         return False, f"torch._scaled_mm with e4m3 needs sm89+, device is sm{major}{minor}"
     return True, "torch._scaled_mm (cuBLASLt) with per-tensor or row-wise scales"

@@ -17,6 +17,7 @@ import torch
 from scaledmm import backends
 from scaledmm import validation as V
 from scaledmm.backends import Backend, Family, Problem
+from scaledmm.device import capability
 from scaledmm.oplib import FP8_DTYPE, FP8_MAX, define, run
 
 FAMILY = Family.FP8_BLOCK
@@ -221,7 +222,7 @@ def reference_linear(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bflo
 def _cublas_supported(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, "needs a CUDA device"
-    major, _ = torch.cuda.get_device_capability(device)
+    major, _ = capability(device)
     if major < 9:
         return False, f"torch._scaled_mm blockwise needs sm90+, device is sm{major}x"
     return True, "torch._scaled_mm blockwise scaling (cuBLASLt)"

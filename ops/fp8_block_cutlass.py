@@ -32,7 +32,6 @@ import functools
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import threading
@@ -41,7 +40,8 @@ from pathlib import Path
 import torch
 
 import scaledmm.csrc as _csrc
-from scaledmm import backends, jit
+from scaledmm import backends, env, jit
+from scaledmm.device import capability, sm_count
 from scaledmm import validation as V
 from scaledmm.backends import Backend, Problem
 
@@ -54,7 +54,7 @@ BLOCK = 128  # scale block along K (activation and weight) and along N (weight)
 ALIGN_M = base.ALIGN_M
 OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-ENV_CUTLASS_INCLUDE = "SCALEDMM_CUTLASS_INCLUDE"
+ENV_CUTLASS_INCLUDE = env.CUTLASS_INCLUDE
 # CUTLASS version assumed for pre-built libraries on a machine without the
 # headers (the cache key must be the same as on the machine that built them).
 PINNED_CUTLASS_VERSION = "4.2.0"
@@ -79,7 +79,7 @@ def _cutlass_include(env_value: str | None) -> Path | None:
 def cutlass_include_dir() -> Path | None:
     """CUTLASS headers: ``$SCALEDMM_CUTLASS_INCLUDE`` or the ``nvidia-cutlass``
     wheel's ``cutlass_library/source/include``; None when absent."""
-    return _cutlass_include(os.environ.get(ENV_CUTLASS_INCLUDE))
+    return _cutlass_include(env.cutlass_include())
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +99,7 @@ def cutlass_version() -> str:
 def _is_supported(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, "needs a CUDA device"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     if (major, minor) != (9, 0):
         return False, f"sm_90a kernels run on sm90 only, device is sm{major}{minor}"
     if jit.nvcc_path() is None or cutlass_include_dir() is None:
@@ -308,13 +308,13 @@ class TableRow:
 
 
 # Default choice per M, to be replaced by H200 measurements
-# (benchmarks/device_fp8_block_cutlass.py prints the best config per point).
+# (benchmarks/experiments/fp8_block_cutlass.py prints the best config per point).
 TABLE: tuple[TableRow, ...] = (
     TableRow(16, CONFIGS["swap_coop128x16_c1x1_sfs_sk"]),
     TableRow(32, CONFIGS["swap_coop128x32_c1x1_sfs_sk"]),
     TableRow(64, CONFIGS["swap_coop128x64_c1x1_sfs_sk"]),
     TableRow(256, CONFIGS["swap_coop128x128_c1x1_sfs_sk"]),
-    # Not the 1x2-cluster config: compute-sanitizer racecheck (H200, session 2)
+    # Not the 1x2-cluster config: compute-sanitizer racecheck on the H200
     # reports shared-memory hazards inside CUTLASS 4.2's blockwise kernel for
     # every clustered config (c1x2, c2x1, ping-pong c1x2, stream-K c1x2), none
     # for 1x1 clusters; results were always right, but we ship what is clean.
@@ -582,18 +582,13 @@ def prepare(cfg: CutlassConfig, a: torch.Tensor, b: torch.Tensor, a_scales: torc
 # ----------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def launch(prep: PreparedCall, lib: CutlassLibrary) -> torch.Tensor:
     """Run a prepared call on torch's current stream; returns ``prep.out``."""
     dev = prep.out.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     with torch.cuda.device(idx):
         lib.prepare(idx)
-        args = prep.args(idx, _sm_count(idx), torch.cuda.current_stream(idx).cuda_stream)
+        args = prep.args(idx, sm_count(idx), torch.cuda.current_stream(idx).cuda_stream)
         ws_bytes = lib.workspace_size(args)
         workspace = None
         if ws_bytes > 0:

@@ -32,13 +32,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from scaledmm import backends
+from scaledmm import backends, env
 from scaledmm import validation as V
 from scaledmm.backends import Backend, Problem
 from scaledmm.oplib import FP8_DTYPE
@@ -83,8 +82,8 @@ NAME = "triton"
 BLOCK_K = 128  # one K step == one scale block
 M_BUCKETS = (16, 64, 128, 512, 1024)  # bucket i holds M <= M_BUCKETS[i]; the last holds the rest
 # fp8_block_linear quantizes inside the GEMM only up to this M.  0: never by
-# default (H200 run 2: fused 21-47 us where quant + GEMM took ~3 + 10-16 us;
-# see NOTES.md "Run 2"); ``linear(..., fuse=True)`` still selects it.
+# default (H200: fused 21-47 us where quant + GEMM took ~3 + 10-16 us);
+# ``linear(..., fuse=True)`` still selects it.
 FUSE_QUANT_MAX_M = 0
 
 # ----------------------------------------------------------------------------
@@ -246,7 +245,7 @@ _BUCKET_BASE = {
             MMConfig(64, 128, num_warps=4, num_stages=3),
             MMConfig(64, 128, num_warps=4, num_stages=3)),
 }
-_TUNED: dict[tuple[int, int, int, bool], MMConfig] = {}  # filled below (H200 run 2)
+_TUNED: dict[tuple[int, int, int, bool], MMConfig] = {}  # filled below (H200 measurements)
 
 
 def _tuned(bucket: int | tuple[int, ...], n: int, k: int, bm: int, bn: int, split: int = 1, swap: bool = False,
@@ -258,17 +257,15 @@ def _tuned(bucket: int | tuple[int, ...], n: int, k: int, bm: int, bn: int, spli
                                                  warp_specialize=ws, one_launch=one)
 
 
-# H200, run 2 (benchmarks/device_results/run2_fp8_block_triton.log): the
-# configs that beat the bucket default there, taken only where both numbers
-# were real device time (not the ~105-170 us host-bound event timings, see
-# NOTES.md), plus three chosen by the weight-stream count where the only
-# trustworthy number was a k1 config with too few streams (marked "reasoned").
+# H200: the configs that beat the bucket default, taken only where both
+# numbers were device time (not host-bound event timings), plus three chosen by
+# the weight-stream count (marked "reasoned").  Provenance: benchmarks/NOTES.md.
 # bucket: 0 M<=16, 1 M<=64, 2 M<=128, 3 M<=512, 4 M<=1024, 5 larger.
 _tuned(1, 2112, 7168, 64, 64, 8, stages=4)                  # 11.0 us vs 12.4
 _tuned(1, 4096, 7168, 64, 64, 5, stages=4)                  # 15.5 vs 22.5
 _tuned(3, 4096, 7168, 128, 128, warps=8, tma=True)          # 36.5 vs 56.9
 _tuned(0, 7168, 16384, 16, 64, 3, stages=6)                 # 40.6 (cuBLAS 41.2)
-_tuned(1, 7168, 16384, 32, 64, 3, True, stages=6, one=True)  # 60.5 us one-launch vs 80.3 (session 3)
+_tuned(1, 7168, 16384, 32, 64, 3, True, stages=6, one=True)  # 60.5 us one-launch vs 80.3
 _tuned(3, 7168, 16384, 128, 128, warps=8, tma=True)         # 153.9 vs 168.3
 _tuned((4, 5), 7168, 16384, 128, 128, warps=8, stages=3)         # 1203 vs 1231
 _tuned(0, 7168, 2048, 16, 64, 1, True, stages=4)            # 8.3 / 9.5 / 12.4 (split 3 adds a reduce)
@@ -283,9 +280,8 @@ _tuned(2, 32768, 512, 128, 128, warps=8)                    # 12.4
 _tuned(3, 32768, 512, 64, 128, stages=4)                    # 38.2 vs 41.4
 _tuned((4, 5), 32768, 512, 128, 128, warps=8, tma=True, persistent=True, ws=True)   # 243.3 vs 308.2
 _tuned((4, 5), 576, 7168, 128, 128, warps=8, stages=3)           # 72.9 (TMA: ~150)
-# H200, session 2 (benchmarks/device_fp8_block_mid.py, run 4: tile x stages x
-# split-K at M = 128, 256, 512, 1024; cold L2; us: this config vs the previous
-# default, cuBLAS blockwise in the same run).  Mid M wants 64x128 tiles and a
+# H200 sweep of tile x stages x split-K at M = 128, 256, 512, 1024 (cold L2;
+# us: this config vs the previous default, cuBLAS blockwise in the same run).  Mid M wants 64x128 tiles and a
 # split that falls as M x N grows (the split-K workspace is split x M x N fp32).
 _tuned(2, 2112, 7168, 64, 128, 6, stages=3)                 # M=128 13.1 vs 15.5 (cuBLAS 15.4)
 _tuned(3, 2112, 7168, 64, 128, 3, stages=3)                 # M=256 17.2 vs 32.5 (22.2); 512 31.4 vs 32.5
@@ -340,8 +336,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132, fused: bool = Fal
         split = _split_for(m, n, k, base_cfg.block_m, base_cfg.block_n, num_sms)
         cfg = dataclasses.replace(base_cfg, split_k=split)
     if sm90 and b == 0 and cfg.split_k > 1 and not cfg.persistent:
-        # H200, session 3 (device_fp8_block_onelaunch.py): folding the reduce
-        # into the GEMM saves 0.6-1.5 us at M <= 16 on every dsv3 shape timed
+        # H200: folding the split-K reduce into the GEMM saves 0.6-1.5 us at M <= 16 on every dsv3 shape timed
         # (2112x7168 M=1 9.9 -> 9.0 us); at M = 64 it lost 2 us with 64x64 tiles.
         cfg = dataclasses.replace(cfg, one_launch=True)
     if not config_ok(cfg, m, n, k, fused)[0]:  # e.g. a tiny K
@@ -566,7 +561,7 @@ def _descriptor(t: torch.Tensor, rows: int):
 
 
 def _autotune_enabled() -> bool:
-    return os.environ.get("SCALEDMM_FP8_BLOCK_TRITON_AUTOTUNE", "0") == "1"
+    return env.fp8_block_triton_autotune()
 
 
 def _pick_config(a, b, m, n, k, fused: bool, out_dtype) -> MMConfig:

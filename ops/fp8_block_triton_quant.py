@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from scaledmm import validation as V
+from scaledmm.device import capability, interpreting, sm_count
 from scaledmm.oplib import FP8_DTYPE
 
 from . import fp8_block as base
@@ -39,8 +39,7 @@ __all__ = ["per_token_group_quant"]
 
 # Triton picks interpreter or compiler when a kernel is decorated, i.e. when
 # this module is imported: remember which one these kernels got.
-_INTERPRET = triton.knobs.runtime.interpret if hasattr(triton, "knobs") else os.environ.get(
-    "TRITON_INTERPRET") == "1"
+_INTERPRET = interpreting()
 
 
 def _fix_interpreter_index() -> None:
@@ -72,9 +71,7 @@ if _INTERPRET:
 
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple[int, int]:
-    if device.type != "cuda":
-        return (0, 0)
-    return torch.cuda.get_device_capability(device)
+    return capability(device)
 
 
 def _device_gate(device: torch.device) -> tuple[bool, str] | None:
@@ -232,10 +229,9 @@ def quant_tile(num_groups: int, gp: int, device: torch.device) -> tuple[int, int
     return rows, warps
 
 
-@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     """SM count (4 for interpreter runs on the CPU: small grids, several tiles)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return sm_count(device, cpu=4)
 
 
 def _device_guard(device: torch.device):

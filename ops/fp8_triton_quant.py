@@ -164,7 +164,7 @@ def config_ok(cfg: QuantConfig) -> tuple[bool, str]:
 def default_config(mode: str, m: int, k: int) -> QuantConfig:
     """The config ``quant`` uses for ``mode`` and an ``[m, k]`` input.
 
-    Measured on the H200 (``benchmarks/device_fp8_quant.py``, bf16, K = 7168
+    Measured on the H200 (``benchmarks/experiments/fp8_quant.py``, bf16, K = 7168
     and 16384; NOTES.md "quant_fp8"): static scales 1 x 1024 tiles up to
     M = 256 (many programs across K), 4 x 1024 beyond (26.0 us at 4096 x
     7168 = 82% of copy); per-token dynamic whole rows of up to 8192 (16

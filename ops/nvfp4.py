@@ -36,6 +36,7 @@ import torch
 from scaledmm import backends
 from scaledmm import validation as V
 from scaledmm.backends import Backend, Family, Problem
+from scaledmm.device import capability
 from scaledmm.oplib import FP8_DTYPE, FP8_MAX, define, run
 
 FAMILY = Family.NVFP4
@@ -462,7 +463,7 @@ def _torch_supported(device: torch.device) -> tuple[bool, str]:
     cuda = _cuda_version()
     if cuda is None or cuda < (12, 8):
         return False, f"needs torch built with CUDA >= 12.8 (cuBLASLt FP4), got {torch.version.cuda}"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     if major not in (10, 12):
         return False, f"cuBLASLt NVFP4 needs an sm100/sm120-family GPU, device is sm{major}{minor}"
     return True, "torch._scaled_mm with float4_e2m1fn_x2 and 1x16 e4m3 block scales (cuBLASLt)"
@@ -538,7 +539,7 @@ def _flashinfer_supported(device: torch.device) -> tuple[bool, str]:
         return False, f"this flashinfer's mm_fp4 has no {FLASHINFER_BACKEND!r} backend"
     if device.type != "cuda":
         return False, "needs a CUDA device"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     if major != 10:
         return False, f"FlashInfer CuTe-DSL FP4 GEMM needs an sm100-family GPU, device is sm{major}{minor}"
     return True, f"flashinfer.mm_fp4(backend={FLASHINFER_BACKEND!r})"

@@ -53,12 +53,10 @@ from scaledmm.ops import nvfp4_triton as nt
 
 FAMILY = Family.NVFP4
 NAME = "decode_cublas"
-#: Smallest M automatic selection sends here.  H200, session 3
-#: (``benchmarks/device_nvfp4_cublas.py``, device time of the parts): the
-#: weight decode costs ~12 us at 4096x4096 and ~75 us at 28672x4096 (235 MB
-#: written), so at M = 64 the fused Triton kernel still wins on the large
-#: shapes (28672x4096: ~100 us vs ~140); from M = 128 this path wins on all
-#: four llama8b shapes (4096x4096: ~28 us vs 57.5; 28672x4096: ~145 vs 193).
+#: Smallest M automatic selection sends here: the weight decode costs ~12-75
+#: us (H200, llama8b shapes), so the fused Triton kernel still wins the large
+#: shapes at M = 64; from M = 128 this path wins all four.  Numbers:
+#: benchmarks/NOTES.md, "Provenance of tuned numbers".
 MIN_M = 128
 #: Bound on each transient buffer: the 16-bit weight chunk and the fp32
 #: accumulator chunk (the activation decode of W4A4 is M x K x 2 bytes, the

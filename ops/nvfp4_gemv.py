@@ -14,18 +14,17 @@ straight into the MMA's B fragments (bf16: the exact fp16 weight values are
 converted to bf16, exactly, and the MMA runs in bf16).  Split K over warps (shared memory) and
 over the CTAs of a thread-block cluster (DSMEM), in a fixed order:
 deterministic, no workspace, CUDA-graph safe.  M buckets of 8, 16 and 32
-activation rows (W4A16: 8 and 16).  The limits are measured (H200, session 4):
+activation rows (W4A16: 8 and 16).  The limits are measured (H200):
 a 64-row bucket (16-row tiles, the only ones whose accumulators fit the
 registers) and row slices of it lost to the Triton kernel on two of the four
 llama8b shapes at M = 64 and to ``decode_cublas`` at M = 128; W4A16 at M = 32
 lost to Triton on two of four.  Register streaming without shared-memory reuse
 is compute-bound past ~32 rows.  See the .cu file's header.
 
-**Default on sm90** since the H200 validated it (session 3,
-``benchmarks/device_nvfp4_gemv.py``: every check bit-deterministic and within
-the float64 bound; llama8b shapes 2.2-2.4x bf16 ``F.linear`` at M <= 4 with
-the measured configs; session 4: M = 17-32 1.3-1.5x bf16 and 2.1-2.5x the Triton
-kernel).  It is first in the sm90 selection policy
+**Default on sm90**: on the H200 every check was bit-deterministic and within
+the float64 bound; on llama8b shapes it is 2.2-2.4x as fast as bf16
+``F.linear`` at M <= 4 and, at M = 17-32, 1.3-1.5x bf16 and 2.1-2.5x the
+Triton kernel.  It is first in the sm90 selection policy
 (``scaledmm/tuning/nvfp4_sm90.json``) for the calls it can implement (bf16/fp16
 output, M within the limits above, 16-byte aligned operands); the policy's switch
 ``SCALEDMM_NVFP4_GEMV=0`` takes it out of automatic selection
@@ -54,6 +53,7 @@ import torch
 
 from scaledmm import backends, jit
 from scaledmm.backends import Backend, Family, Problem
+from scaledmm.device import NUM_SMS_H200, sm_count
 from scaledmm.ops import nvfp4 as nv
 
 FAMILY = Family.NVFP4
@@ -69,7 +69,6 @@ MAX_M = {False: 32, True: 16}  # W4A4, W4A16: the measured break-even with the n
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 BIAS_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 ACT_CODES = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2}  # packed e2m1 (W4A4), W4A16 dtypes
-NUM_SMS_H200 = 132
 REGS_PER_SM = 65536
 MAX_REGS = 255
 SMEM_STATIC = 48 * 1024
@@ -215,12 +214,12 @@ def m_bucket(m: int) -> int:
 
 
 G = GemvConfig
-# H200, session 3 (benchmarks/device_nvfp4_gemv.py, 40 configs per point, cold
-# L2, graph replay; us against bf16 F.linear in the same run).  M <= 8: few long
+# H200 sweeps (cold L2, graph replay; us against bf16 F.linear in the same
+# run; provenance in benchmarks/NOTES.md).  M <= 8: few long
 # K streams per SM want 8 warps on 16-row tiles, many tiles 4 warps and, for
 # N = 28672, 32 rows.  M 9-16 decodes two activation fragments per unit: 32-row
 # tiles share them, and one unit per batch keeps the registers down.  M 17-32
-# (session 4, 16 configs per point at M = 32): 32-row tiles, 4 warps, split K
+# (measured at M = 32): 32-row tiles, 4 warps, split K
 # in two unless there are more than four tiles per SM (4096x4096: 8 warps
 # unsplit, 4% ahead of that rule).
 TUNING: dict[tuple[int, int], dict[int, GemvConfig]] = {
@@ -230,8 +229,7 @@ TUNING: dict[tuple[int, int], dict[int, GemvConfig]] = {
     (28672, 4096): {8: G(32, 4, 1, 2), 16: G(32, 4, 1, 1), 32: G(32, 4, 1, 1)},   # 24.5 / 31.5 / 46.7 (58.6 / 58.6 / 59.2; 97.3)
     (4096, 14336): {8: G(16, 8, 1, 2), 16: G(32, 8, 2, 1), 32: G(32, 4, 2, 1)},   # 15.1 / 18.1 / 26.3 (32.8 / 33.7 / 34.7; 54.2)
 }
-# W4A16 (bf16 activation), H200 session 3 (device_nvfp4_gemv.py --part w4a16
-# --quick: 6 configs per point; us at M = 1 / 16, bf16 F.linear in the same run).
+# W4A16 (bf16 activation), H200: us at M = 1 / 16, bf16 F.linear in the same run.
 TUNING_W4A16: dict[tuple[int, int], dict[int, GemvConfig]] = {
     (6144, 4096): {8: G(16, 4, 1, 2), 16: G(16, 4, 1, 1)},    # 8.6 / 13.4 (bf16 16.3 / 16.4)
     (4096, 4096): {8: G(16, 8, 1, 1), 16: G(32, 8, 1, 1)},    # 7.0 / 9.0 (bf16 13.4 / 13.7)
@@ -340,11 +338,6 @@ def check_spec_dtypes(act_dtype: torch.dtype, out_dtype: torch.dtype, bias_dtype
         raise ValueError(f"bias_dtype: expected None, fp32, bf16 or fp16, got {bias_dtype}")
 
 
-@functools.lru_cache(maxsize=None)
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The 16-byte alignment the kernel's vector loads need (host-side, no sync)."""
     return (a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
@@ -365,7 +358,7 @@ def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: GemvCo
     w4a16 = a.dtype != torch.uint8
     mb = m_bucket(m)
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    cfg = cfg or choose_config(n, k, mb, num_sms(dev), w4a16)
+    cfg = cfg or choose_config(n, k, mb, sm_count(dev), w4a16)
     spec = kernel_spec(n, k, mb, cfg, out.dtype, None if bias is None else bias.dtype, a.dtype)
     spec.kernel().launch(cfg.grid(n), cfg.threads(),
                          (a, b, a_scales, b_scales, alpha, bias, out, ctypes.c_int(m),

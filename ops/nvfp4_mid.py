@@ -44,6 +44,7 @@ import torch
 
 from scaledmm import backends, jit
 from scaledmm.backends import Backend, Family, Problem
+from scaledmm.device import NUM_SMS_H200, sm_count
 from scaledmm.ops import nvfp4_gemv as gv
 
 FAMILY = Family.NVFP4
@@ -60,7 +61,6 @@ OUT_DTYPES = gv.OUT_DTYPES
 MAX_REGS = 255
 REGS_PER_SM = 65536
 SMEM_MAX = 227 * 1024
-NUM_SMS_H200 = 132
 
 # ----------------------------------------------------------------------------
 # Capability checks
@@ -105,9 +105,8 @@ class MidConfig:
     ring : int
         0: the next step's weight is requested into registers (one step
         ahead); 2-4: a ring of that many shared-memory stages filled with
-        ``cp.async`` (``ring - 1`` steps ahead).  Not yet measured on a GPU
-        (session 4 ran out of device time): only the sweep and the tests use
-        it, no table or default does.
+        ``cp.async`` (``ring - 1`` steps ahead).  Not yet measured on a GPU:
+        only the sweep and the tests use it, no table or default does.
     """
 
     warps: int = 8
@@ -195,9 +194,9 @@ def m_bucket(m: int) -> int:
 
 
 G = MidConfig
-# H200, session 4 (benchmarks/device_nvfp4_mid.py --sweep 30: every valid
-# config at M = 64, cold L2, graph replay; us, with the Triton kernel and bf16
-# F.linear of the same run).  Small N wants narrow 4-warp CTAs split in two
+# H200 sweep of every valid config at M = 64 (us; Triton kernel and bf16
+# F.linear of the same run in parentheses; provenance in benchmarks/NOTES.md).
+# Small N wants narrow 4-warp CTAs split in two
 # (more CTAs per SM hide the latency), large N the widest tiles unsplit.  The
 # same configs serve M 65-127 as 64-row slices (--slices: 4096x4096 M = 96
 # 21.4 us against 34.2 for one 128-row CTA and 30.4 for decode_cublas).
@@ -290,7 +289,7 @@ def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: MidCon
     w4a16 = a.dtype != torch.uint8
     mb = mb or m_bucket(m)
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    cfg = cfg or choose_config(n, k, mb, gv.num_sms(dev), w4a16)
+    cfg = cfg or choose_config(n, k, mb, sm_count(dev), w4a16)
     if cfg.ring and b_scales.data_ptr() % 4:  # the ring copies aligned 4-byte scale words
         cfg = dataclasses.replace(cfg, ring=0)
     spec = kernel_spec(n, k, mb, cfg, out.dtype, None if bias is None else bias.dtype, a.dtype)

@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from scaledmm import backends
+from scaledmm import backends, env
+from scaledmm import device as _device
 from scaledmm.backends import Backend, Family, Problem
 from scaledmm.ops import nvfp4 as nv
 from scaledmm.ops.nvfp4_triton_quant import (  # noqa: F401 - re-exported
@@ -58,9 +58,7 @@ NAME = "triton"
 BLOCK = nv.BLOCK  # elements per block scale
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+interpreting = _device.interpreting  # re-exported: nt.interpreting() keeps working
 
 
 # ----------------------------------------------------------------------------
@@ -84,7 +82,7 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
         return False, "CPU runs need TRITON_INTERPRET=1 (the Triton interpreter)"
     if device.type != "cuda":
         return False, f"needs a CUDA device, got {device.type}"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _device.capability(device)
     if major < 8:
         return False, f"needs sm80+ (bf16 tensor cores), device is sm{major}{minor}"
     return True, f"Triton decode-in-registers kernels on sm{major}{minor}"
@@ -133,18 +131,13 @@ def _decode_triton(packed, scale, DTYPE: tl.constexpr):
     return lo.to(DTYPE), hi.to(DTYPE)
 
 
-# Inline PTX, elementwise over bytes: output element j (an int32) is the fp16
-# pair [hi(b_j) * s_j : lo(b_j) * s_j] * 2**-14 of byte j, i.e. the two decoded
-# values in K order, ready to be one 32-bit register of a 16-bit MMA operand.
-# Inputs: $4 = 4 packed bytes, $5..$8 = per-byte scale [s_j : s_j] (fp16 pair).
-# Per byte: prmt gathers the low nibble (pre-shifted) into bits 12-15 and the
-# high nibble into bits 28-31 (signs at 15 / 31), shr puts the magnitudes at
-# 9-11 / 25-27, lop3 keeps (t | y) & 0x8E008E00, mul.rn.f16x2 applies the
-# scale: 2.4 instructions per decoded value.  Exact: the fp16 pattern
-# sign << 15 | mag << 9 is e2m1 * 2**-14 (e2m1's subnormal 0.5 lands on fp16's
-# subnormal 2**-15) and e2m1 * s * 2**-14 is a multiple of 2**-24 below 0.17
-# with at most 6 significant bits, so fp16 holds it exactly (subnormals too;
-# no .ftz).  The 2**-14 goes back in the epilogue (a power of two, exact).
+# Inline PTX, elementwise over bytes: int32 output j is the fp16 pair
+# [hi(b_j) * s_j : lo(b_j) * s_j] * 2**-14 (K order: one register of a 16-bit
+# MMA operand).  $4 = 4 packed bytes, $5..$8 = per-byte [s_j : s_j].  prmt
+# places the nibbles, shr + lop3 (mask 0x8E008E00) form the fp16 patterns
+# above, mul.rn.f16x2 scales: exact, since e2m1 * s * 2**-14 is a multiple of
+# 2**-24 below 0.17 with <= 6 significant bits (no .ftz); the epilogue undoes
+# the 2**-14.
 _PTX_BYTE = """
     prmt.b32 y, wl, wh, {sel};
     shr.b32 t, y, 3;
@@ -401,10 +394,10 @@ def m_bucket(m: int) -> int:
 
 
 # Fixed defaults per M bucket (no autotuning inside CUDA-graph capture).
-# Small M streams the weight and is bound by issue latency, not bytes: the
-# first H200 run had one 4-warp CTA per SM (154 registers at block_k=256), so
-# every dependent instruction waited.  block_k=128 needs 91 registers (sm90
-# SASS): 4-5 CTAs per SM, and split-K (below) makes enough of them.  Large M:
+# Small M streams the weight and is bound by issue latency, not bytes:
+# block_k=256 (154 registers) fits one 4-warp CTA per SM, so every dependent
+# instruction waits; block_k=128 needs 91 registers (sm90 SASS): 4-5 CTAs per
+# SM, and split-K (below) makes enough of them.  Large M:
 # decode+MMA serialize in the Triton kernel (0.5x bf16 measured).  The
 # transient 16-bit weight + cuBLAS path (predecode_w) may win there, but it
 # allocates a 16-bit copy of the weight per call and adds a rounding (not the
@@ -415,7 +408,7 @@ DEFAULT_CONFIGS: dict[int, GemmConfig] = {
     1: GemmConfig(block_n=64, block_m=64, block_k=128, num_warps=4, num_stages=4),
     2: GemmConfig(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=3),
     3: GemmConfig(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=3,
-                  predecode_w=os.environ.get("SCALEDMM_NVFP4_PREDECODE_W") == "1"),
+                  predecode_w=env.nvfp4_predecode_w()),  # read at import
 }
 
 # Split-K fills this many CTAs per SM (small output grids), keeping at least
@@ -425,11 +418,8 @@ MIN_STEPS_PER_SPLIT = 2
 MAX_SPLIT = 16
 
 
-@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _device.sm_count(device, cpu=8)  # 8 "SMs" on the CPU: small interpreter grids
 
 
 def _split_for(cfg: GemmConfig, m: int, n: int, k: int, device: torch.device,
@@ -451,7 +441,7 @@ def _split_for(cfg: GemmConfig, m: int, n: int, k: int, device: torch.device,
 def _portable(cfg: GemmConfig, p: Problem) -> GemmConfig:
     """The decoder this device runs: ``SCALEDMM_NVFP4_TRITON_DECODE`` when set,
     plain Triton off the GPU."""
-    decode = os.environ.get("SCALEDMM_NVFP4_TRITON_DECODE", cfg.decode)
+    decode = env.nvfp4_triton_decode(cfg.decode)
     if p.device.type != "cuda" or decode not in DECODERS:
         decode = "triton"
     return dataclasses.replace(cfg, decode=decode)
@@ -464,9 +454,9 @@ def default_config(p: Problem) -> GemmConfig:
         cfg = dataclasses.replace(cfg, predecode_w=False)
     split = _split_for(cfg, p.m, p.n, p.k, p.device)
     if m_bucket(p.m) == 1 and not p.opt("w4a16"):
-        # H200, session 4 (device_nvfp4.py --ms 48,64, llama8b): half the split
-        # (>= 2) is 10-20 % faster at M 33-64, and with >= 2 weight tiles per
-        # SM decoding the activation once (predecode_x) another 13 %
+        # Measured on the H200 (llama8b): half the split (>= 2) is 10-20 %
+        # faster at M 33-64, and with >= 2 weight tiles per SM decoding the
+        # activation once (predecode_x) another 13 %
         split = split // 2 if split >= 4 else split
         if -(-p.n // cfg.block_n) >= 2 * _sm_count(p.device):
             cfg = dataclasses.replace(cfg, predecode_x=True)
@@ -507,7 +497,7 @@ def select_config(op: str, p: Problem, bench: Callable[[GemmConfig], float] | No
     key = _autotune_key(op, p)
     if key in _TUNED:
         return _TUNED[key]
-    tune = os.environ.get("SCALEDMM_NVFP4_TRITON_AUTOTUNE", "0") not in ("", "0")
+    tune = env.nvfp4_triton_autotune()
     if (not tune or bench is None or p.device.type != "cuda"
             or torch.cuda.is_current_stream_capturing()):
         return default_config(p)

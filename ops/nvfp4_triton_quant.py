@@ -18,7 +18,7 @@ Read top to bottom:
 4. the launcher :func:`quant`.
 
 Where the time goes (sm90 SASS, offline compile; ``python
-benchmarks/device_nvfp4_quant.py --sass`` prints the table).  An H200 SM
+benchmarks/experiments/nvfp4_quant.py --sass`` prints the table).  An H200 SM
 partition issues one instruction per clock, but its ALU pipe (integer,
 logic, FSETP/FSEL/FMNMX, conversions) takes one every two clocks, while FP32
 FMUL/FADD/FFMA (and IMAD) go to the FMA pipes at full rate.  At M=4096,
@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from scaledmm.device import capability
 from scaledmm.ops import nvfp4 as nv
 
 
@@ -64,7 +65,7 @@ from scaledmm.ops import nvfp4 as nv
 def _hw_e4m3(device: torch.device) -> bool:
     """Use Triton's e4m3 type (sm89+: hardware conversions, nearest-even and
     saturating); elsewhere (sm80, the interpreter) exact integer arithmetic."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and capability(device) >= (8, 9)
 
 
 # ----------------------------------------------------------------------------
@@ -120,9 +121,8 @@ def quant_config_ok(cfg: QuantConfig) -> tuple[bool, str]:
     return True, "ok"
 
 
-# H200 (benchmarks/device_nvfp4_quant.py, session 2, K = 7168 bf16, swizzled,
-# every config bit-exact on the device): the rows_fma kernel with 16 rows x
-# 32 blocks takes 26.6 us at M = 4096 (2.83 TB/s, 68% of the CLI's 4130 GB/s
+# H200 (K = 7168 bf16, swizzled, every config bit-exact on the device): the
+# rows_fma kernel with 16 rows x 32 blocks takes 26.6 us at M = 4096 (2.83 TB/s, 68% of the CLI's 4130 GB/s
 # copy ceiling) where the split8 kernel took 67.7 us; 8 rows x 32 blocks is
 # the fastest at M = 1 / 16 / 128 (1.6 / 2.2 / 3.3 us, split8 2.6 / 2.9 /
 # 4.9) and 27.2 us at 4096.

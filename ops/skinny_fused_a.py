@@ -8,12 +8,12 @@ Two kernels, one config class each:
 * ``csrc/dsv3_fused_a_gemm.cu`` (:class:`RegConfig`, version 1, the
   default): every warp loads its fragments from global memory straight into
   registers.  Its table ``REG_TUNING`` was measured on the H200 (10.3 us at
-  7168->2112, M = 1; ``benchmarks/device_results/run1_skinny.log``).
+  7168->2112, M = 1; ``benchmarks/NOTES.md``).
 * ``csrc/dsv3_fused_a_gemm_tma.cu`` (:class:`TmaConfig`, opt-in with
   ``SCALEDMM_SKINNY_KERNEL=tma``): a producer warp streams the weight (and x)
   through a shared-memory ring with TMA bulk copies; consumer warps run
   ``mma.sync`` from shared memory.  Measured at 19.0 us on the same shape
-  with its predicted table: to be tuned (``benchmarks/device_skinny.py``).
+  with its predicted table: to be tuned (``benchmarks/experiments/skinny.py``).
 
 Read top to bottom: capability checks, the config space (two frozen
 dataclasses, one validity predicate :func:`config_valid` shared by dispatch,
@@ -34,20 +34,19 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import os
 from pathlib import Path
 from typing import Union
 
 import torch
 
-from scaledmm import backends, jit
+from scaledmm import backends, env, jit
+from scaledmm.device import NUM_SMS_H200, sm_count
 from scaledmm.backends import Backend, Problem
 from scaledmm.ops import skinny
 
 NAME = "fused_a"
 ARCH = "sm_90a"
 M_BUCKETS = (8, 16)
-NUM_SMS_H200 = 132
 
 # ----------------------------------------------------------------------------
 # Capability checks
@@ -282,13 +281,13 @@ def m_bucket(m: int) -> int:
 
 # ----------------------------------------------------------------------------
 # H200 tables.  TUNING: the TMA kernel's config per (N, K) and M bucket
-# (predictions until benchmarks/device_skinny.py has timed them; see
+# (predictions until benchmarks/experiments/skinny.py has timed them; see
 # benchmarks/NOTES.md).  A PDL launch runs pdl_config() of it: the same tiles
 # and chunks (so the same summation order: PDL on and off give identical
 # bits) with the ring cut to SMEM_TWO_PER_SM, so that the next launch's CTAs
 # fit beside this one's and fill their rings while it finishes.
-# REG_TUNING: version 1's best configs: run 1, then session 3's sweep with PDL
-# (benchmarks/device_skinny_pdl.py; us with PDL, back-to-back graph replay).
+# REG_TUNING: version 1's measured best configs (us with PDL, back-to-back
+# graph replay; provenance in benchmarks/NOTES.md).
 # ----------------------------------------------------------------------------
 
 T = TmaConfig
@@ -398,12 +397,11 @@ def reg_default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H20
     return RegConfig(16, 2, split, 1, False)
 
 
-# Which kernel serves a call.  The H200 run of the TMA-ring kernel (version 2,
-# benchmarks/RESULTS.md, run 3) measured 19.0 us at 7168->2112, M = 1, against
-# 10.3 us for version 1's best config (run 1) and 13.4 us for F.linear, so
-# version 1 with its measured table is the default; SCALEDMM_SKINNY_KERNEL=tma
-# selects version 2 (TUNING / default_config) for further tuning.
-KERNEL = os.environ.get("SCALEDMM_SKINNY_KERNEL", "reg")
+# Which kernel serves a call.  On the H200 the TMA-ring kernel (version 2) took
+# 19.0 us at 7168->2112, M = 1, against 10.3 us for version 1's best config and
+# 13.4 us for F.linear, so version 1 with its measured table is the default;
+# SCALEDMM_SKINNY_KERNEL=tma selects version 2 (TUNING / default_config).
+KERNEL = env.skinny_kernel()  # read at import
 
 
 def choose_config(n: int, k: int, m: int, pdl: bool = False, num_sms: int = NUM_SMS_H200) -> Config:
@@ -475,11 +473,6 @@ def kernel_spec(n: int, k: int, m_bucket: int, cfg: Config) -> jit.NvrtcKernelSp
     return jit.NvrtcKernelSpec(cfg.kernel, _source(cfg.source), arch=ARCH, defines=cfg.defines(n, k, m_bucket))
 
 
-@functools.lru_cache(maxsize=None)
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, enable_pdl: bool = False,
            cfg: Config | None = None) -> torch.Tensor:
     """Run the kernel into ``out`` ([M, N] bf16, contiguous) on the current stream.
@@ -489,7 +482,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, enable_pdl:
     m, k = x.shape
     n = weight.shape[0]
     mb = m_bucket(m)
-    sms = num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    sms = sm_count(x.device)
     cfg = cfg or choose_config(n, k, m, enable_pdl, sms)
     kern = kernel_spec(n, k, mb, cfg).kernel()
     kern.launch(cfg.grid(n, sms), cfg.threads(),
@@ -512,7 +505,7 @@ backends.register(Backend(
     is_supported=is_supported,
     can_implement=can_implement,
     description=("NVRTC, mma.sync bf16, split-K over clusters: csrc/dsv3_fused_a_gemm.cu (register "
-                 "kernel, default) or csrc/dsv3_fused_a_gemm_tma.cu (TMA ring, SCALEDMM_SKINNY_KERNEL=tma)"),
+                 f"kernel, default) or csrc/dsv3_fused_a_gemm_tma.cu (TMA ring, {env.SKINNY_KERNEL}=tma)"),
 ))
 
 

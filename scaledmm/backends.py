@@ -40,11 +40,12 @@ import enum
 import functools
 import inspect
 import io
-import os
 from typing import Any, Callable, Iterator
 
 import torch
 
+from . import device as _device
+from . import env as _env
 from . import policy as _policies
 from .policy import Policy
 
@@ -83,7 +84,7 @@ class Family(str, enum.Enum):
 
     @property
     def env_var(self) -> str:
-        return f"SCALEDMM_{self.value.upper()}_BACKEND"
+        return _env.backend_var(self.value)
 
     @classmethod
     def parse(cls, family: "Family | str") -> "Family":
@@ -310,7 +311,7 @@ def arch_key(device: torch.device) -> str:
     """
     if device.type != "cuda":
         return device.type
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _device.capability(device)
     return f"sm{major}{minor}"
 
 
@@ -509,23 +510,7 @@ def _switch_values(fam: Family) -> tuple[str | None, ...]:
     names = _SWITCH_VARS.get(fam)
     if names is None:
         names = _SWITCH_VARS[fam] = _policies.switch_vars(fam.value)
-    return tuple([_env_raw(v) for v in names]) if names else ()
-
-
-_ENV_KEYS: dict[str, Any] = {}
-
-
-def _env_raw(var: str) -> Any:
-    """``var``'s value in ``os.environ`` (None when unset; on POSIX the raw
-    bytes), read on the per-call path without ``os.environ.get``'s
-    encode-and-KeyError cost (~0.5 us per unset variable)."""
-    data = getattr(os.environ, "_data", None)
-    if data is None:
-        return os.environ.get(var)
-    key = _ENV_KEYS.get(var)
-    if key is None:
-        key = _ENV_KEYS[var] = os.environ.encodekey(var)
-    return data.get(key)
+    return tuple([_env.raw(v) for v in names]) if names else ()
 
 
 def _request(fam: Family) -> tuple[str | None, str | None]:
@@ -537,10 +522,10 @@ def _request(fam: Family) -> tuple[str | None, str | None]:
         if f is fam:
             return (None if name == "auto" else name), "use_backend"
     var = _ENV_VARS[fam]
-    raw = _env_raw(var)
+    raw = _env.raw(var)  # the per-call path: no os.environ.get
     if raw is None:
         return None, None
-    name = (raw if isinstance(raw, str) else os.environ.decodevalue(raw)).strip()
+    name = _env.text(raw).strip()
     if not name or name == "auto":
         return None, None
     return name, var
@@ -732,7 +717,7 @@ def _request_line(fam: Family) -> str:
     if source is None:
         return "no request: every op auto-selected"
     if name is None:
-        masked = os.environ.get(_ENV_VARS[fam], "").strip()
+        masked = (_env.get(_ENV_VARS[fam]) or "").strip()
         extra = f" (masks {_ENV_VARS[fam]}={masked!r})" if masked and masked != "auto" else ""
         return f"use_backend({fam.value!r}, 'auto'){extra}: every op auto-selected"
     backend = _REGISTRY[fam].get(name)
@@ -755,7 +740,7 @@ def _switch_line(pol: Policy) -> str:
         return ""
     parts = []
     for name, var in pol.switches.items():
-        value = os.environ.get(var)
+        value = _env.get(var)
         state = "on" if pol.enabled(name) else "OFF"
         parts.append(f"{name} {state} ({var}={'unset' if value is None else repr(value)})")
     return "; switches: " + ", ".join(parts)

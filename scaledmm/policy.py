@@ -39,10 +39,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import json
-import os
 import re
 import threading
 from typing import Any, Iterable, Mapping
+
+from . import env as _env
+from .env import switched_on  # noqa: F401 - the switch rule, re-exported
 
 __all__ = ["Policy", "PolicyError", "parse", "load", "table", "resolve", "switch_vars", "switched_on"]
 
@@ -50,7 +52,6 @@ Rows = tuple[tuple[int, tuple[str, ...]], ...]
 
 _KEYS = {"family", "arch", "order", "switches", "shapes", "source", "notes"}
 _ARCH = re.compile(r"^(cpu|cuda|sm\d+|[a-z][a-z0-9]*)$")
-_ENV_VAR = re.compile(r"^SCALEDMM_[A-Z0-9_]+$")
 _SHAPE = re.compile(r"^(\d+)x(\d+)$")
 
 
@@ -84,12 +85,13 @@ class Policy:
     switches: Mapping[str, str] = dataclasses.field(default_factory=dict)
     source: str = ""
 
-    def enabled(self, name: str, environ: Mapping[str, str] = os.environ) -> bool:
-        """False when ``name``'s switch variable is ``"0"`` or empty."""
+    def enabled(self, name: str, environ: Mapping[str, str] | None = None) -> bool:
+        """False when ``name``'s switch variable is ``"0"`` or empty in
+        ``environ`` (default: the process environment, read now)."""
         var = self.switches.get(name)
-        return var is None or switched_on(environ.get(var))
+        return var is None or _env.switch_on(var, environ)
 
-    def auto_order(self, n: int, k: int, m: int, environ: Mapping[str, str] = os.environ) -> list[str]:
+    def auto_order(self, n: int, k: int, m: int, environ: Mapping[str, str] | None = None) -> list[str]:
         """Names tried for an ``M x K`` activation and an ``N x K`` weight,
         switched-off backends left out.
 
@@ -105,17 +107,6 @@ class Policy:
                 first = [b for b in names if self.enabled(b, environ)]
                 return first + [b for b in base if b not in first]
         return base
-
-
-def switched_on(value: str | None) -> bool:
-    """The switch rule: unset or any value but ``"0"`` and ``""`` is on.
-
-    Examples
-    --------
-    >>> [switched_on(v) for v in (None, "1", "0", "")]
-    [True, True, False, False]
-    """
-    return value is None or value not in ("", "0")
 
 
 def _fail(where: str, field: str, expected: str, got: Any) -> None:
@@ -165,8 +156,8 @@ def parse(data: Any, where: str, family: str | None = None, arch: str | None = N
     for name, var in switches.items():
         if strict and name not in order:
             _fail(where, f"switches[{name!r}]", f"a backend of order {list(order)}", name)
-        if not isinstance(var, str) or not _ENV_VAR.match(var):
-            _fail(where, f"switches[{name!r}]", "an env var name SCALEDMM_...", var)
+        if not _env.is_switch_var(var):
+            _fail(where, f"switches[{name!r}]", f"an env var name like {_env.NVFP4_GEMV!r}", var)
     shapes_in = data.get("shapes", {})
     if not isinstance(shapes_in, dict):
         _fail(where, "shapes", 'an object {"NxK": rows}', shapes_in)

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Sequence
 
+from .core import _env as env
 from .core import (_PREBUILD, ENV_CACHE_DIR, ENV_NO_BUILD, CacheDirError, JitError, _nvcc_version, cache_dir,
                    cached_entries, nvcc_path, nvrtc_available)
 
@@ -30,7 +31,7 @@ def _cmd_status(args) -> int:
     print(f"scaledmm jit cache: {root}  ({len(entries)} entries, "
           f"{sum(e['bytes'] for e in entries) / 1e6:.2f} MB){where}")
     print(f"  nvcc: {nvcc_path() or 'not found'} ({_nvcc_version(nvcc_path())}); "
-          f"NVRTC: {nvrtc_available()[1]}; {ENV_NO_BUILD}={os.environ.get(ENV_NO_BUILD, '')!r}")
+          f"NVRTC: {nvrtc_available()[1]}; {ENV_NO_BUILD}={env.get(ENV_NO_BUILD) or ''!r}")
     for e in entries:
         extra = e.get("defines") or ""
         state = "" if e["state"] == "ok" else f"  DAMAGED: {e['problem']}"

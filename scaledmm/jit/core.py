@@ -23,11 +23,31 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+
+def _load_env():
+    """``scaledmm/env.py``; by file path when this package was loaded on its
+    own (a builder process without ``scaledmm``: it must stay importable with
+    the standard library only)."""
+    if (__package__ or "").startswith("scaledmm."):
+        from .. import env
+
+        return env
+    import importlib.util
+
+    name = f"{__package__}._env"
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "env.py")
+    mod = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_env = _load_env()
+
 log = logging.getLogger("scaledmm")
 
-ENV_CACHE_DIR = "SCALEDMM_CACHE_DIR"
-ENV_NO_BUILD = "SCALEDMM_JIT_NO_BUILD"
-ENV_NVCC = "SCALEDMM_NVCC"
+ENV_CACHE_DIR = _env.CACHE_DIR
+ENV_NO_BUILD = _env.JIT_NO_BUILD
+ENV_NVCC = _env.NVCC
 _FORMAT = 1  # bump to invalidate every cache entry
 _LOCK_TIMEOUT_S = 1800.0
 _META = "meta.json"
@@ -71,14 +91,14 @@ def cache_dir() -> Path:
     '/tmp/x'
     >>> del os.environ["SCALEDMM_CACHE_DIR"]
     """
-    env = os.environ.get(ENV_CACHE_DIR)
+    env = _env.cache_dir()
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "scaledmm"
 
 
 def _no_build() -> bool:
-    return os.environ.get(ENV_NO_BUILD, "").strip().lower() not in ("", "0", "false", "no")
+    return _env.jit_no_build()
 
 
 def _check_arch(arch: str) -> tuple[str, str]:
@@ -171,7 +191,7 @@ def _find_nvcc(env_value: str | None) -> str | None:
 
 def nvcc_path() -> str | None:
     """Path of ``nvcc``: ``$SCALEDMM_NVCC``, ``PATH``, ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin``."""
-    return _find_nvcc(os.environ.get(ENV_NVCC))
+    return _find_nvcc(_env.nvcc())
 
 
 @functools.lru_cache(maxsize=None)

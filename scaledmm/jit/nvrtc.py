@@ -42,13 +42,12 @@ def sm90a_gate(device) -> tuple[bool, str]:
     >>> jit.sm90a_gate(torch.device("cpu"))
     (False, 'needs a CUDA device')
     """
-    import torch
-
+    from ..device import capability  # the ops' device facts (this gate runs inside scaledmm)
     from .core import nvrtc_available
 
     if device.type != "cuda":
         return False, "needs a CUDA device"
-    cap = torch.cuda.get_device_capability(device)
+    cap = capability(device)
     if cap != (9, 0):
         return False, f"kernel is compiled for sm_90a (H100/H200), device is sm{cap[0]}{cap[1]}"
     ok, why = nvrtc_available()
