@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 
 import pytest
@@ -39,34 +40,76 @@ def fake_sm90(monkeypatch):
         yield
 
 
+_SEED = pytest.StashKey[int]()
+
+
 @pytest.fixture(autouse=True)
-def _seed():
-    # fresh random inputs every run, but reproducible within a run when a test fails
-    seed = int.from_bytes(os.urandom(4), "little")
+def _seed(request):
+    """Seed torch's global RNG afresh for every test (fresh random inputs each
+    run); the seed is reported with a failure and replayed by setting
+    ``SCALEDMM_TEST_SEED``."""
+    env = os.environ.get("SCALEDMM_TEST_SEED")
+    seed = int(env) if env else int.from_bytes(os.urandom(4), "little")
+    request.node.stash[_SEED] = seed
     torch.manual_seed(seed)
     yield seed
 
 
-def _gpu_case(item) -> bool:
-    """A test that exercises the GPU: a "cuda" parameter, or a skip-without-GPU marker."""
-    nid = item.nodeid
-    params = nid[nid.find("["):] if "[" in nid else ""
-    if "cuda" in params:
+# errors after which the CUDA context is unusable for the rest of the process
+_STICKY_CUDA = re.compile(r"CUDA error|CUDA_ERROR_(ILLEGAL_ADDRESS|MISALIGNED_ADDRESS|ASSERT|ILLEGAL_INSTRUCTION"
+                          r"|LAUNCH_FAILED|HARDWARE_STACK_ERROR)")
+
+
+def _sticky_cuda_error(excinfo) -> bool:
+    text = str(excinfo.value)
+    return bool(_STICKY_CUDA.search(text)) and "out of memory" not in text
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Report the seed of a failing test; after a sticky CUDA error end this
+    process (an xdist worker is replaced, and the crash is reported against
+    this test) rather than let every later test fail in the dead context."""
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.failed:
+        return
+    seed = item.stash.get(_SEED, None)
+    if seed is not None:
+        rep.sections.append(("seed", f"seed={seed} (replay: SCALEDMM_TEST_SEED={seed} pytest '{item.nodeid}')"))
+    if (call.when == "call" and call.excinfo is not None and torch.cuda.is_initialized()
+            and _sticky_cuda_error(call.excinfo)):
+        msg = f"sticky CUDA error in {item.nodeid}: {str(call.excinfo.value).splitlines()[0]}"
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            print(f"\n{msg}; ending worker {os.environ['PYTEST_XDIST_WORKER']}", file=sys.stderr, flush=True)
+            os._exit(3)
+        item.session.shouldstop = f"{msg}; later tests in this process could not run"
+
+
+# A skip-without-GPU marker: its reason says a CUDA device or a GPU is needed.
+_GPU_SKIP_REASON = re.compile(r"\b(cuda device|gpu)\b", re.IGNORECASE)
+
+
+def _needs_gpu(item) -> bool:
+    """Parametrized on a CUDA device, or skipped without a GPU."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "cuda" in callspec.id:
         return True
-    for mark in item.iter_markers("skipif"):
-        reason = str(mark.kwargs.get("reason", "")).lower()
-        if any(w in reason for w in ("cuda", "gpu", "sm90", "device")):
-            return True
-    return "cuda" in item.name.lower() or "gpu" in nid.lower() or "cudagraph" in nid.lower()
+    return any(_GPU_SKIP_REASON.search(str(m.kwargs.get("reason", ""))) for m in item.iter_markers("skipif"))
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """``SCALEDMM_TESTS=gpu`` keeps only the tests that exercise a GPU (short
-    device runs; the CPU tests run in CI)."""
+    """Mark every GPU test ``gpu`` (so ``-m gpu`` / ``-m "not gpu"`` select by
+    it); ``SCALEDMM_TESTS=gpu`` keeps only those (short device runs; the CPU
+    tests run in CI)."""
+    for item in items:
+        if item.get_closest_marker("gpu") is None and _needs_gpu(item):
+            item.add_marker(pytest.mark.gpu)
     if os.environ.get("SCALEDMM_TESTS") != "gpu":
         return
-    keep = [i for i in items if _gpu_case(i)]
-    drop = [i for i in items if not _gpu_case(i)]
+    keep = [i for i in items if i.get_closest_marker("gpu") is not None]
+    drop = [i for i in items if i.get_closest_marker("gpu") is None]
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -93,8 +93,9 @@ def make_mm_inputs(m, n, k, device="cpu", col_major=False, block=(128, 128), row
 @given(m=st.sampled_from([0, 1, 3, 4, 17, 130]), groups=st.integers(1, 3), g=st.sampled_from([64, 128]),
        dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
        col=st.booleans(), ue8m0=st.booleans(), row_pad=st.sampled_from([0, 64]),
-       mag=st.sampled_from([1e-6, 1.0, 1e3]))
-def test_quant_exact(device, m, groups, g, dtype, col, ue8m0, row_pad, mag):
+       mag=st.sampled_from([1e-6, 1.0, 1e3]), seed=st.integers(0, 2**31 - 1))
+def test_quant_exact(device, m, groups, g, dtype, col, ue8m0, row_pad, mag, seed):
+    torch.manual_seed(seed)  # drawn by Hypothesis: a failure replays and shrinks
     k = groups * g
     x = (torch.randn(m, k + row_pad) * mag).to(dtype)[:, :k].to(device)
     if m > 2:
@@ -170,8 +171,9 @@ MM_OPS = ["fp8_block_mm", "padded_fp8_block_mm", "dynamic_padded_fp8_block_mm"]
 @given(m=st.sampled_from([0, 1, 3, 4, 5, 17, 64, 129]), n=st.sampled_from([16, 100, 200, 384]),
        k=st.sampled_from([128, 256, 320, 384]), col=st.booleans(), row_pad=st.sampled_from([0, 16]),
        out_dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
-       block=st.sampled_from([(128, 128), (64, 128), (128, 64)]))
-def test_mm_matches_float64(device, op, m, n, k, col, row_pad, out_dtype, block):
+       block=st.sampled_from([(128, 128), (64, 128), (128, 64)]), seed=st.integers(0, 2**31 - 1))
+def test_mm_matches_float64(device, op, m, n, k, col, row_pad, out_dtype, block, seed):
+    torch.manual_seed(seed)  # drawn by Hypothesis: a failure replays and shrinks
     a, b, sa, sb = make_mm_inputs(m, n, k, device, col, block, row_pad)
     out = getattr(torch.ops.scaledmm, op)(a, b, sa, sb, list(block), out_dtype)
     ref = mm_ref64(a, b, sa, sb, block)
@@ -396,8 +398,10 @@ def test_quantize_weight_block_larger_than_weight_is_one_block():
 
 @pytest.mark.parametrize("device", DEV)
 @given(m=st.sampled_from([0, 1, 3, 17]), n=st.sampled_from([64, 200]), k=st.sampled_from([128, 384]),
-       bias=st.booleans(), out_dtype=st.sampled_from([torch.bfloat16, torch.float16]))
-def test_linear_equals_quant_then_mm(device, m, n, k, bias, out_dtype):
+       bias=st.booleans(), out_dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_linear_equals_quant_then_mm(device, m, n, k, bias, out_dtype, seed):
+    torch.manual_seed(seed)  # drawn by Hypothesis: a failure replays and shrinks
     x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
     w, ws = ops.quantize_weight(torch.randn(n, k, device=device))
     bvec = torch.randn(n, device=device, dtype=out_dtype) if bias else None

@@ -380,15 +380,17 @@ if CHILD:
            mode=st.sampled_from(MODES), logmag=st.floats(-30, 30),
            dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
            cfg=st.sampled_from([None, Q.QuantConfig(1, 32, 1), Q.QuantConfig(4, 64, 2), Q.QuantConfig(2, 256, 4)]),
-           nonfinite=st.integers(0, 3))
-    def test_hypothesis_shapes_values(m, k, pad, mode, logmag, dtype, cfg, nonfinite):
+           nonfinite=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
+    def test_hypothesis_shapes_values(m, k, pad, mode, logmag, dtype, cfg, nonfinite, seed):
+        torch.manual_seed(seed)  # drawn by Hypothesis: a failure replays and shrinks
         x = torch.randn(m, k) * 2.0 ** logmag
         if m and nonfinite:
             idx = torch.randint(0, m * k, (nonfinite,))
             x.view(-1)[idx] = torch.tensor([float("nan"), float("inf"), -float("inf")])[:nonfinite]
         x = strided(x.to(dtype), pad)
         scale, per_token = scale_for(mode, x)
-        check(x, scale, per_token, config=cfg)
+        # a NaN scale (a NaN in a dynamic row or tensor) gives NaN codes whose sign IEEE leaves open
+        check(x, scale, per_token, nan_sign=not nonfinite, config=cfg)
 
     @interp
     def test_op_through_the_backend_opcheck_and_fake():

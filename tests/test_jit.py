@@ -147,6 +147,7 @@ _BUILDER = textwrap.dedent("""
     assert "torch" not in sys.modules and "scaledmm" not in sys.modules
     spec = jit.NvrtcKernelSpec("tiny_fill", sys.argv[1], defines={"SCALE": 7})
     spec.key
+    print("READY", flush=True)  # past import and key: the parent releases both builders at once
     go = Path(sys.argv[2])
     while not go.exists():
         time.sleep(0.01)
@@ -161,11 +162,16 @@ def test_two_processes_build_once(cache, kernel_src, tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", _BUILDER, str(kernel_src / "tiny.cu"), str(go), jit.__file__],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
-    import time
-
-    time.sleep(1.0)  # both processes past import, spinning on the go file
+    heads = []
+    for p in procs:  # wait for each builder's READY line (or its exit)
+        head = ""
+        for line in p.stdout:
+            head += line
+            if line.startswith("READY"):
+                break
+        heads.append(head)
     go.write_text("")
-    outs = [p.communicate(timeout=240) for p in procs]
+    outs = [(head + o, e) for head, (o, e) in zip(heads, (p.communicate(timeout=240) for p in procs))]
     assert all(p.returncode == 0 for p in procs), outs
     text = "".join(o for o, _ in outs)
     assert text.count("building") == 1, text

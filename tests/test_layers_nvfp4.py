@@ -12,7 +12,7 @@ import scaledmm  # noqa: F401
 from scaledmm.layers import NvFp4Linear
 
 from helpers import requires_cuda
-from test_nvfp4 import check_gemm, ref_decode_codes, ref_quant, ref_unpack, ref_unswizzle
+from nvfp4_helpers import check_gemm, ref_decode_codes, ref_quant, ref_unpack, ref_unswizzle
 
 E4M3 = torch.float8_e4m3fn
 SCALE_VALUES = torch.tensor([0.0078125, 0.25, 0.5, 0.75, 1.0, 1.5, 3.0, 10.0, 448.0])

@@ -20,7 +20,7 @@ from scaledmm.layers import Fp8BlockLinear, Fp8Linear, NvFp4Linear, SkinnyLinear
 from scaledmm.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
 from helpers import requires_cuda
-from test_parallel import make_checkpoint
+from layer_helpers import make_checkpoint
 
 BF16, FP16, E4M3 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 M_VALUES = (0, 1, 3, 17)

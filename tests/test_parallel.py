@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 
 import pytest
@@ -20,37 +19,10 @@ from hypothesis import given, strategies as st
 
 from scaledmm.layers import Fp8BlockLinear, Fp8Linear, NvFp4Linear
 from scaledmm.layers.parallel import ColumnParallelLinear, RowParallelLinear, shard_checkpoint
-from scaledmm.ops import fp8_block as fp8_block_ops
+from layer_helpers import make_checkpoint
 
 U_BF16 = 2.0 ** -8  # unit roundoff of bf16
 LAYERS = {"fp8_block": Fp8BlockLinear, "fp8": Fp8Linear, "nvfp4": NvFp4Linear}
-
-
-# ----------------------------------------------------------------------------
-# Checkpoints (whole layer), deterministic in a generator so every rank agrees
-# ----------------------------------------------------------------------------
-
-
-def make_checkpoint(fmt: str, n: int, k: int, gen: torch.Generator, *, bias=True, per_channel=False,
-                    static=False) -> dict[str, torch.Tensor]:
-    w = torch.randn(n, k, generator=gen) * (0.5 + torch.rand(n, 1, generator=gen))
-    if fmt == "fp8_block":
-        q, s = fp8_block_ops.quantize_weight(w, (128, 128))
-        t = {"weight": q, "weight_scale_inv": s}
-    elif fmt == "fp8":
-        q, s = torch.ops.scaledmm.quant_fp8(w, None, per_channel)
-        t = {"weight": q, "weight_scale": s.reshape(-1) if per_channel else s.reshape(())}
-        if static:
-            t["input_scale"] = torch.tensor(3.0 / 448)
-    else:
-        scale_2 = w.abs().amax() / (448 * 6)
-        q, s = torch.ops.scaledmm.nvfp4_quant(w, (1.0 / scale_2).reshape(1), False)
-        t = {"weight": q, "weight_scale": s, "weight_scale_2": scale_2}
-        if static:
-            t["input_scale"] = torch.tensor(3.0 / (448 * 6))
-    if bias:
-        t["bias"] = torch.randn(n, generator=gen).to(torch.bfloat16)
-    return t
 
 
 # (name, fmt, kind, per-shard size of the sharded dim, size of the other dim,
@@ -135,10 +107,10 @@ def _run_case(case, rank: int, world: int, seed: int) -> None:
             assert not bad.any(), f"M={m}: {int(bad.sum())} elements past the bound, max err {err.max()}"
 
 
-def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, store: str, seed: int, out_dir: str) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     results = {}
     try:
         for case in CASES:
@@ -154,19 +126,15 @@ def _worker(rank: int, world: int, port: int, seed: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def spawned(request, tmp_path_factory):
     import torch.multiprocessing as mp
     world = request.param
     seed = int.from_bytes(os.urandom(3), "little")
     out_dir = str(tmp_path_factory.mktemp(f"tp{world}"))
-    mp.spawn(_worker, args=(world, _free_port(), seed, out_dir), nprocs=world, join=True)
+    # rendezvous through a file the test owns: no port to race other processes for
+    store = os.path.join(out_dir, "rendezvous")
+    mp.spawn(_worker, args=(world, store, seed, out_dir), nprocs=world, join=True)
     results = []
     for r in range(world):
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:

@@ -206,8 +206,10 @@ def test_fp32_and_fp16_models():
 
 
 @given(k=st.integers(1, 300), n=st.integers(1, 300), m=st.sampled_from([0, 1, 3, 17]),
-       fmt=st.sampled_from(FORMATS), bias=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
-def test_any_shape_is_swapped_or_left_with_its_reason(k, n, m, fmt, bias, dtype):
+       fmt=st.sampled_from(FORMATS), bias=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_any_shape_is_swapped_or_left_with_its_reason(k, n, m, fmt, bias, dtype, seed):
+    torch.manual_seed(seed)  # drawn by Hypothesis: a failure replays and shrinks
     lin = nn.Linear(k, n, bias=bias, dtype=dtype)
     model = scaledmm.quantize_(nn.Sequential(copy.deepcopy(lin)), fmt)
     entry = scaledmm.quantize_report(model)["0"]
