@@ -30,6 +30,10 @@ Examples
 >>> # on the H200 (device tool), then here:
 >>> # python -m benchmarks fp8_block --shapes dsv3 --out out/sweep
 >>> # python -m benchmarks.tune out/sweep/fp8_block.csv --out scaledmm/tuning/fp8_block_sm90.json
+
+``--kernel NAME`` writes a kernel's tuned configs instead
+(``scaledmm/tuning/kernels/<kernel>_<arch>.json``) from a sweep of its
+configs; see ``benchmarks/tune_kernel.py``.
 """
 
 from __future__ import annotations
@@ -160,18 +164,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=0.03, help="relative noise margin (default 0.03)")
     p.add_argument("--source", default="", help="provenance line stored in the JSON (GPU, date, commit)")
     p.add_argument("--out", help="JSON file to write (default: stdout)")
+    p.add_argument("--kernel", help="write a kernel's tuned configs instead (scaledmm/tuning/kernels/"
+                   "<kernel>_<arch>.json) from a sweep of its configs: see benchmarks/tune_kernel.py")
     args = p.parse_args(argv)
     with open(args.csv, newline="") as f:
         rows = list(csv.DictReader(f))
-    ranked = rank_points(rows, args.op)
-    if not ranked:
-        print(f"{args.csv}: no timed {args.op} point of our backends", file=sys.stderr)
-        return 1
     source = args.source
     meta = Path(args.csv).with_name("meta.json")
     if not source and meta.exists():
         env = json.loads(meta.read_text()).get("env", {})
         source = ", ".join(f"{k}: {env[k]}" for k in ("device", "date", "torch", "triton", "commit") if k in env)
+    if args.kernel:
+        from benchmarks import tune_kernel
+
+        line = f"python -m benchmarks.tune {Path(args.csv).name} --kernel {args.kernel}; {source}".rstrip("; ")
+        return tune_kernel.main(args, rows, line)
+    ranked = rank_points(rows, args.op)
+    if not ranked:
+        print(f"{args.csv}: no timed {args.op} point of our backends", file=sys.stderr)
+        return 1
     data = {"family": args.family, "arch": args.arch,
             "source": f"python -m benchmarks.tune {Path(args.csv).name}; {source}".rstrip("; "),
             "shapes": build_table(ranked, args.tolerance)}

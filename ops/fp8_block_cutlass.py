@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 import scaledmm.csrc as _csrc
-from scaledmm import backends, env, jit
+from scaledmm import backends, env, jit, kernel_tuning
 from scaledmm.device import capability, sm_count
 from scaledmm import validation as V
 from scaledmm.backends import Backend, Problem
@@ -307,20 +307,25 @@ class TableRow:
     config: CutlassConfig
 
 
-# Default choice per M, to be replaced by H200 measurements
-# (benchmarks/experiments/fp8_block_cutlass.py prints the best config per point).
-TABLE: tuple[TableRow, ...] = (
-    TableRow(16, CONFIGS["swap_coop128x16_c1x1_sfs_sk"]),
-    TableRow(32, CONFIGS["swap_coop128x32_c1x1_sfs_sk"]),
-    TableRow(64, CONFIGS["swap_coop128x64_c1x1_sfs_sk"]),
-    TableRow(256, CONFIGS["swap_coop128x128_c1x1_sfs_sk"]),
-    # Not the 1x2-cluster config: compute-sanitizer racecheck on the H200
-    # reports shared-memory hazards inside CUTLASS 4.2's blockwise kernel for
-    # every clustered config (c1x2, c2x1, ping-pong c1x2, stream-K c1x2), none
-    # for 1x1 clusters; results were always right, but we ship what is clean.
-    # The clustered configs stay available by name.
-    TableRow(2**31, CONFIGS["coop128x128_c1x1"]),
-)
+def table() -> tuple[TableRow, ...]:
+    """The config per M, from ``scaledmm/tuning/kernels/fp8_block_cutlass_sm90.json``
+    (its ``default`` rows: every shape; read once, each config checked by
+    :func:`config_valid`).  Also available as the module attribute ``TABLE``.
+
+    Examples
+    --------
+    >>> from scaledmm.ops.fp8_block_cutlass import table
+    >>> table()[-1].config.name
+    'coop128x128_c1x1'
+    """
+    t = kernel_tuning.load("fp8_block_cutlass", "sm90", CutlassConfig, config_valid)
+    return tuple(TableRow(max_m, cfg) for max_m, cfg in t.default)
+
+
+def __getattr__(name: str):
+    if name == "TABLE":
+        return table()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -328,7 +333,7 @@ def select_config(problem: Problem) -> CutlassConfig | None:
     """The table's config for ``problem`` (None when no valid row applies);
     a row's config is valid for the problem by construction.  Cached per
     Problem: :func:`can_implement` and the launch ask the same question."""
-    for row in TABLE:
+    for row in table():
         if problem.m <= row.max_m and config_valid(row.config, problem)[0]:
             return row.config
     return None
@@ -385,7 +390,7 @@ def _library_spec(cfg: CutlassConfig, out_dtype: torch.dtype, include: str | Non
 
 
 def table_specs(out_dtypes=(torch.bfloat16,)) -> list[jit.NvccLibrarySpec]:
-    return [library_spec(row.config, dt) for row in TABLE for dt in out_dtypes]
+    return [library_spec(row.config, dt) for row in table() for dt in out_dtypes]
 
 
 class _Args(ctypes.Structure):
@@ -496,7 +501,7 @@ def _prebuild_specs(value: str) -> list[jit.NvccLibrarySpec]:
     names = {v: k for k, v in _DTYPE_NAMES.items()}
     dtypes = [names[d] for d in dts.split(",") if d] if dts else [torch.bfloat16]
     if which == "table":
-        cfgs = list(dict.fromkeys(row.config for row in TABLE))
+        cfgs = list(dict.fromkeys(row.config for row in table()))
     elif which == "all":
         cfgs = list(CONFIGS.values())
     else:
@@ -631,7 +636,7 @@ def can_implement(problem: Problem) -> tuple[bool, str]:
     """Backend predicate: a table config is valid for ``problem``."""
     cfg = select_config(problem)
     if cfg is None:
-        last = TABLE[-1].config
+        last = table()[-1].config
         return False, config_valid(last, problem)[1]
     return True, f"config {cfg.name}"
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from scaledmm import backends, env
+from scaledmm import backends, env, kernel_tuning
 from scaledmm import validation as V
 from scaledmm.backends import Backend, Problem
 from scaledmm.oplib import FP8_DTYPE
@@ -230,7 +230,7 @@ def m_bucket(m: int) -> int:
 # tiles hold both operands of a 128-wide K step in registers, so they are
 # narrower (the fused quantizer needs registers too).  Split-K is derived from
 # N, K and the SM count so the weight stream is spread over enough programs.
-# Measured sm90 overrides go in _TUNED, keyed (bucket, n, k, fused).
+# Measured sm90 overrides of the unfused GEMM: :func:`tuned`.
 _BUCKET_BASE = {
     True: (MMConfig(16, 64, swap_ab=True, num_warps=4, num_stages=6),
            MMConfig(64, 64, swap_ab=True, num_warps=4, num_stages=5),
@@ -245,53 +245,33 @@ _BUCKET_BASE = {
             MMConfig(64, 128, num_warps=4, num_stages=3),
             MMConfig(64, 128, num_warps=4, num_stages=3)),
 }
-_TUNED: dict[tuple[int, int, int, bool], MMConfig] = {}  # filled below (H200 measurements)
+def tuned(bucket: int, n: int, k: int) -> MMConfig | None:
+    """The measured sm90 config of the unfused GEMM for M bucket ``bucket``
+    and an ``N x K`` weight, or None (the bucket base rule decides), from
+    ``scaledmm/tuning/kernels/fp8_block_triton_sm90.json`` (rows keyed by the
+    bucket's largest M; read once).
+
+    Examples
+    --------
+    >>> tuned(1, 2112, 7168).short(), tuned(0, 2112, 7168)
+    ('64x64k8w4s4', None)
+    """
+    hi = M_BUCKETS[bucket] if bucket < len(M_BUCKETS) else kernel_tuning.LAST_M
+    return kernel_tuning.load("fp8_block_triton", "sm90", MMConfig).lookup(n, k, hi)
 
 
-def _tuned(bucket: int | tuple[int, ...], n: int, k: int, bm: int, bn: int, split: int = 1, swap: bool = False,
-           warps: int = 4, stages: int = 4, tma: bool = False, persistent: bool = False, ws: bool = False,
-           one: bool = False) -> None:
-    for b in (bucket,) if isinstance(bucket, int) else bucket:
-        _TUNED[(b, n, k, False)] = MMConfig(bm, bn, split_k=split, swap_ab=swap, num_warps=warps,
-                                                 num_stages=stages, tma=tma, persistent=persistent,
-                                                 warp_specialize=ws, one_launch=one)
+def m_bucket_max(m: int) -> int:
+    """The largest M of ``m``'s bucket: the key of the tuned rows.
+
+    Examples
+    --------
+    >>> m_bucket_max(1), m_bucket_max(100), m_bucket_max(5000)
+    (16, 128, 2147483647)
+    """
+    b = m_bucket(m)
+    return M_BUCKETS[b] if b < len(M_BUCKETS) else kernel_tuning.LAST_M
 
 
-# H200: the configs that beat the bucket default, taken only where both
-# numbers were device time (not host-bound event timings), plus three chosen by
-# the weight-stream count (marked "reasoned").  Provenance: benchmarks/NOTES.md.
-# bucket: 0 M<=16, 1 M<=64, 2 M<=128, 3 M<=512, 4 M<=1024, 5 larger.
-_tuned(1, 2112, 7168, 64, 64, 8, stages=4)                  # 11.0 us vs 12.4
-_tuned(1, 4096, 7168, 64, 64, 5, stages=4)                  # 15.5 vs 22.5
-_tuned(3, 4096, 7168, 128, 128, warps=8, tma=True)          # 36.5 vs 56.9
-_tuned(0, 7168, 16384, 16, 64, 3, stages=6)                 # 40.6 (cuBLAS 41.2)
-_tuned(1, 7168, 16384, 32, 64, 3, True, stages=6, one=True)  # 60.5 us one-launch vs 80.3
-_tuned(3, 7168, 16384, 128, 128, warps=8, tma=True)         # 153.9 vs 168.3
-_tuned((4, 5), 7168, 16384, 128, 128, warps=8, stages=3)         # 1203 vs 1231
-_tuned(0, 7168, 2048, 16, 64, 1, True, stages=4)            # 8.3 / 9.5 / 12.4 (split 3 adds a reduce)
-_tuned(1, 7168, 2048, 32, 64, 1, True, stages=6)            # 11.5
-_tuned(2, 7168, 2048, 64, 64, 1, True, stages=5)            # 12.7
-_tuned(3, 7168, 2048, 64, 128, stages=4)                    # 23.0 vs 25.2
-_tuned(1, 24576, 1536, 32, 64, 1, True, stages=6)           # 21.0
-_tuned((4, 5), 24576, 1536, 128, 128, warps=8, tma=True, persistent=True, ws=True)  # 444.6 vs 489.3
-_tuned(0, 32768, 512, 16, 128, 1, True, stages=6)           # 8.5 vs 9.9 (256 programs, one wave)
-_tuned(1, 32768, 512, 64, 128, stages=4)                    # reasoned: as 128x128 at M=128 (12.4)
-_tuned(2, 32768, 512, 128, 128, warps=8)                    # 12.4
-_tuned(3, 32768, 512, 64, 128, stages=4)                    # 38.2 vs 41.4
-_tuned((4, 5), 32768, 512, 128, 128, warps=8, tma=True, persistent=True, ws=True)   # 243.3 vs 308.2
-_tuned((4, 5), 576, 7168, 128, 128, warps=8, stages=3)           # 72.9 (TMA: ~150)
-# H200 sweep of tile x stages x split-K at M = 128, 256, 512, 1024 (cold L2;
-# us: this config vs the previous default, cuBLAS blockwise in the same run).  Mid M wants 64x128 tiles and a
-# split that falls as M x N grows (the split-K workspace is split x M x N fp32).
-_tuned(2, 2112, 7168, 64, 128, 6, stages=3)                 # M=128 13.1 vs 15.5 (cuBLAS 15.4)
-_tuned(3, 2112, 7168, 64, 128, 3, stages=3)                 # M=256 17.2 vs 32.5 (22.2); 512 31.4 vs 32.5
-_tuned(4, 2112, 7168, 128, 64, 1, stages=3)                 # M=1024 46.3 vs 63.1 (43.2)
-_tuned(3, 576, 7168, 64, 128, 6, stages=4)                  # M=256 10.8 vs 15.1 (15.2); 512 12.5 vs 20.8
-_tuned(4, 576, 7168, 64, 128, 3, stages=3)                  # M=1024 17.0 vs 36.2 (22.6)
-_tuned(2, 4096, 7168, 64, 128, 4, stages=3)                 # M=128 17.9 vs 23.3 (23.3)
-_tuned(2, 7168, 16384, 64, 128, 2, stages=3)                # M=128 55.3 vs 99.5 (46.0)
-_tuned(2, 24576, 1536, 64, 128, stages=3)                   # M=128 22.3 vs 23.9 (15.8)
-_tuned(3, 24576, 1536, 64, 128, stages=3)                   # M=256 31.4 vs 33.5; 512 57.1 vs 61.7
 _AUTOTUNED: dict[tuple, MMConfig] = {}
 _WARMED: list = []  # kernels compiled by precompile(), loaded when it ends
 
@@ -328,7 +308,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132, fused: bool = Fal
     '16x64k8w4s6-SO'
     """
     b = m_bucket(m)
-    cfg = _TUNED.get((b, n, k, fused)) if sm90 else None
+    cfg = tuned(b, n, k) if sm90 and not fused else None
     if cfg is None:
         base_cfg = _BUCKET_BASE[sm90][b]
         if fused and not sm90 and b >= 2:
@@ -579,7 +559,7 @@ def _pick_config(a, b, m, n, k, fused: bool, out_dtype) -> MMConfig:
 @functools.lru_cache(maxsize=4096)
 def _default_cached(m: int, n: int, k: int, num_sms: int, fused: bool, sm90: bool) -> MMConfig:
     """:func:`default_config` once per size (host time per eager call); call
-    ``_default_cached.cache_clear()`` after editing ``_TUNED``."""
+    ``_default_cached.cache_clear()`` after changing the tuned configs."""
     return default_config(m, n, k, num_sms, fused, sm90)
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from scaledmm import backends, jit
+from scaledmm import backends, jit, kernel_tuning
 from scaledmm.backends import Backend, Family, Problem
 from scaledmm.device import NUM_SMS_H200, sm_count
 from scaledmm.ops import nvfp4 as nv
@@ -213,7 +213,6 @@ def m_bucket(m: int) -> int:
     return 8 if m <= 8 else 16 if m <= 16 else 32
 
 
-G = GemvConfig
 # H200 sweeps (cold L2, graph replay; us against bf16 F.linear in the same
 # run; provenance in benchmarks/NOTES.md).  M <= 8: few long
 # K streams per SM want 8 warps on 16-row tiles, many tiles 4 warps and, for
@@ -222,21 +221,32 @@ G = GemvConfig
 # (measured at M = 32): 32-row tiles, 4 warps, split K
 # in two unless there are more than four tiles per SM (4096x4096: 8 warps
 # unsplit, 4% ahead of that rule).
-TUNING: dict[tuple[int, int], dict[int, GemvConfig]] = {
-    # M=1 7.8, M=16 9.8, M=32 13.0 (bf16 17.3 / 16.9 / 17.0; Triton at M=32 27.3)
-    (6144, 4096): {8: G(16, 4, 1, 2), 16: G(32, 4, 2, 1), 32: G(32, 4, 2, 1)},
-    (4096, 4096): {8: G(16, 8, 1, 2), 16: G(32, 8, 1, 2), 32: G(32, 8, 1, 1)},    # 5.7 / 7.2 / 9.8 (13.6 / 13.8 / 13.9; 24.8)
-    (28672, 4096): {8: G(32, 4, 1, 2), 16: G(32, 4, 1, 1), 32: G(32, 4, 1, 1)},   # 24.5 / 31.5 / 46.7 (58.6 / 58.6 / 59.2; 97.3)
-    (4096, 14336): {8: G(16, 8, 1, 2), 16: G(32, 8, 2, 1), 32: G(32, 4, 2, 1)},   # 15.1 / 18.1 / 26.3 (32.8 / 33.7 / 34.7; 54.2)
-}
-# W4A16 (bf16 activation), H200: us at M = 1 / 16, bf16 F.linear in the same run.
-TUNING_W4A16: dict[tuple[int, int], dict[int, GemvConfig]] = {
-    (6144, 4096): {8: G(16, 4, 1, 2), 16: G(16, 4, 1, 1)},    # 8.6 / 13.4 (bf16 16.3 / 16.4)
-    (4096, 4096): {8: G(16, 8, 1, 1), 16: G(32, 8, 1, 1)},    # 7.0 / 9.0 (bf16 13.4 / 13.7)
-    (28672, 4096): {8: G(32, 4, 1, 1), 16: G(32, 4, 1, 1)},   # 31.3 / 40.2 (bf16 55.8 / 57.1)
-    (4096, 14336): {8: G(16, 8, 1, 1), 16: G(32, 8, 1, 1)},   # 19.5 / 24.0 (bf16 32.8 / 33.6)
-}
-del G
+# W4A16 (bf16 activation): us at M = 1 / 16, bf16 F.linear in the same run.
+# The measured configs: scaledmm/tuning/kernels/nvfp4_gemv_sm90.json and
+# nvfp4_gemv_w4a16_sm90.json (rows per (N, K) and M bucket).
+
+
+def tuned(n: int, k: int, m_bucket: int, w4a16: bool = False) -> GemvConfig | None:
+    """The measured config for an ``N x K`` weight and M bucket, or None
+    (read once from ``scaledmm/tuning/kernels/nvfp4_gemv[_w4a16]_sm90.json``).
+
+    Examples
+    --------
+    >>> tuned(4096, 4096, 8) is not None, tuned(64, 128, 8)
+    (True, None)
+    """
+    return _table(w4a16).lookup(n, k, m_bucket)
+
+
+def _table(w4a16: bool) -> kernel_tuning.KernelTable:
+    return kernel_tuning.load("nvfp4_gemv_w4a16" if w4a16 else "nvfp4_gemv", "sm90", GemvConfig)
+
+
+def __getattr__(name: str):
+    # TUNING / TUNING_W4A16: the files' rows as {(n, k): {m_bucket: config}}
+    if name in ("TUNING", "TUNING_W4A16"):
+        return _table(name == "TUNING_W4A16").by_shape()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> GemvConfig:
@@ -278,9 +288,9 @@ def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w
 
 @functools.lru_cache(maxsize=None)  # once per shape: every launch asks
 def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> GemvConfig:
-    """The measured table's config (``TUNING`` / ``TUNING_W4A16``) or
+    """The measured config (:func:`tuned`) or
     :func:`default_config`."""
-    cfg = (TUNING_W4A16 if w4a16 else TUNING).get((n, k), {}).get(m_bucket)
+    cfg = tuned(n, k, m_bucket, w4a16)
     if cfg is None or not config_valid(cfg, n, k, m_bucket, w4a16)[0]:
         cfg = default_config(n, k, m_bucket, num_sms, w4a16)
     return cfg

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from scaledmm import backends, jit
+from scaledmm import backends, jit, kernel_tuning
 from scaledmm.backends import Backend, Family, Problem
 from scaledmm.device import NUM_SMS_H200, sm_count
 from scaledmm.ops import nvfp4_gemv as gv
@@ -56,7 +56,7 @@ KERNEL = "nvfp4_mid"
 ARCH = "sm_90a"
 K_MULTIPLE = gv.K_MULTIPLE
 M_BUCKETS = (32, 64)
-MAX_M = 127  # from 128 on: decode_cublas (measured, see TUNING)
+MAX_M = 127  # from 128 on: decode_cublas (measured, see the notes above tuned())
 OUT_DTYPES = gv.OUT_DTYPES
 MAX_REGS = 255
 REGS_PER_SM = 65536
@@ -193,26 +193,37 @@ def m_bucket(m: int) -> int:
     return 32 if m <= 32 else 64
 
 
-G = MidConfig
 # H200 sweep of every valid config at M = 64 (us; Triton kernel and bf16
 # F.linear of the same run in parentheses; provenance in benchmarks/NOTES.md).
 # Small N wants narrow 4-warp CTAs split in two
 # (more CTAs per SM hide the latency), large N the widest tiles unsplit.  The
 # same configs serve M 65-127 as 64-row slices (--slices: 4096x4096 M = 96
 # 21.4 us against 34.2 for one 128-row CTA and 30.4 for decode_cublas).
-TUNING: dict[tuple[int, int], dict[int, MidConfig]] = {
-    (6144, 4096): {64: G(8, 2, 4, 1)},     # 18.9 (triton 25.8, bf16 16.8)
-    (4096, 4096): {64: G(4, 1, 2, 2)},     # 15.1 (22.7, 12.7)
-    (28672, 4096): {64: G(8, 2, 1, 1)},    # 59.7 (88.2, 66.4)
-    (4096, 14336): {64: G(4, 1, 2, 2)},    # 43.6 (53.1, 37.4)
-}
-TUNING_W4A16: dict[tuple[int, int], dict[int, MidConfig]] = {
-    (6144, 4096): {64: G(8, 2, 4, 1)},     # 20.5 (triton 28.8)
-    (4096, 4096): {64: G(4, 1, 2, 1)},     # 19.1 (29.7)
-    (28672, 4096): {64: G(8, 2, 1, 1)},    # 65.0 (88.5)
-    (4096, 14336): {64: G(8, 2, 4, 1)},    # 55.2 (52.8)
-}
-del G
+# The measured configs: scaledmm/tuning/kernels/nvfp4_mid_sm90.json and
+# nvfp4_mid_w4a16_sm90.json (rows per (N, K) and M bucket).
+
+
+def tuned(n: int, k: int, m_bucket: int, w4a16: bool = False) -> MidConfig | None:
+    """The measured config for an ``N x K`` weight and M bucket, or None
+    (read once from ``scaledmm/tuning/kernels/nvfp4_mid[_w4a16]_sm90.json``).
+
+    Examples
+    --------
+    >>> tuned(4096, 4096, 64) is not None, tuned(64, 128, 64)
+    (True, None)
+    """
+    return _table(w4a16).lookup(n, k, m_bucket)
+
+
+def _table(w4a16: bool) -> kernel_tuning.KernelTable:
+    return kernel_tuning.load("nvfp4_mid_w4a16" if w4a16 else "nvfp4_mid", "sm90", MidConfig)
+
+
+def __getattr__(name: str):
+    # TUNING / TUNING_W4A16: the files' rows as {(n, k): {m_bucket: config}}
+    if name in ("TUNING", "TUNING_W4A16"):
+        return _table(name == "TUNING_W4A16").by_shape()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> MidConfig:
@@ -241,8 +252,8 @@ def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w
 
 @functools.lru_cache(maxsize=None)  # once per shape: every launch asks
 def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> MidConfig:
-    """The measured table's config or :func:`default_config`."""
-    cfg = (TUNING_W4A16 if w4a16 else TUNING).get((n, k), {}).get(m_bucket)
+    """The measured config (:func:`tuned`) or :func:`default_config`."""
+    cfg = tuned(n, k, m_bucket, w4a16)
     if cfg is None or not config_valid(cfg, n, k, m_bucket, w4a16)[0]:
         cfg = default_config(n, k, m_bucket, num_sms, w4a16)
     return cfg

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from scaledmm import backends, env
+from scaledmm import backends, env, kernel_tuning
 from scaledmm import device as _device
 from scaledmm.backends import Backend, Family, Problem
 from scaledmm.ops import nvfp4 as nv
@@ -393,7 +393,8 @@ def m_bucket(m: int) -> int:
     return 0 if m <= 16 else 1 if m <= 64 else 2 if m <= 256 else 3
 
 
-# Fixed defaults per M bucket (no autotuning inside CUDA-graph capture).
+# Fixed defaults per M bucket (no autotuning inside CUDA-graph capture),
+# in scaledmm/tuning/kernels/nvfp4_triton_sm90.json.
 # Small M streams the weight and is bound by issue latency, not bytes:
 # block_k=256 (154 registers) fits one 4-warp CTA per SM, so every dependent
 # instruction waits; block_k=128 needs 91 registers (sm90 SASS): 4-5 CTAs per
@@ -403,13 +404,35 @@ def m_bucket(m: int) -> int:
 # allocates a 16-bit copy of the weight per call and adds a rounding (not the
 # exact W4A4 numerics), so it stays opt-in (SCALEDMM_NVFP4_PREDECODE_W=1) until
 # a measurement shows it wins.  See benchmarks/NOTES.md.
-DEFAULT_CONFIGS: dict[int, GemmConfig] = {
-    0: GemmConfig(block_n=64, block_m=16, block_k=128, num_warps=4, num_stages=4),
-    1: GemmConfig(block_n=64, block_m=64, block_k=128, num_warps=4, num_stages=4),
-    2: GemmConfig(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=3),
-    3: GemmConfig(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=3,
-                  predecode_w=env.nvfp4_predecode_w()),  # read at import
-}
+_PREDECODE_W = env.nvfp4_predecode_w()  # read at import
+
+
+def bucket_config(p: Problem) -> GemmConfig:
+    """The tuned config of ``p``'s shape and M (its bucket's row of
+    ``scaledmm/tuning/kernels/nvfp4_triton_sm90.json``, read once), before
+    the split-K and decoder rules of :func:`default_config`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.backends import Family
+    >>> bucket_config(Problem(Family.NVFP4, torch.device("cpu"), 1, 64, 128, torch.uint8, torch.bfloat16, 128)).block_m
+    16
+    """
+    cfg = kernel_tuning.load("nvfp4_triton", "sm90", GemmConfig).lookup(p.n, p.k, p.m)
+    if m_bucket(p.m) == 3 and _PREDECODE_W:
+        cfg = dataclasses.replace(cfg, predecode_w=True)
+    return cfg
+
+
+def __getattr__(name: str):
+    # DEFAULT_CONFIGS: the file's bucket rows as {bucket index: config}
+    if name == "DEFAULT_CONFIGS":
+        rows = kernel_tuning.load("nvfp4_triton", "sm90", GemmConfig).default
+        return {b: dataclasses.replace(cfg, predecode_w=_PREDECODE_W) if b == 3 and _PREDECODE_W else cfg
+                for b, (_, cfg) in enumerate(rows)}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Split-K fills this many CTAs per SM (small output grids), keeping at least
 # MIN_STEPS_PER_SPLIT K steps per CTA; MAX_SPLIT bounds the fp32 workspace.
@@ -449,7 +472,7 @@ def _portable(cfg: GemmConfig, p: Problem) -> GemmConfig:
 
 def default_config(p: Problem) -> GemmConfig:
     """The fixed config of ``p``'s M bucket, with a deterministic split-K."""
-    cfg = _portable(DEFAULT_CONFIGS[m_bucket(p.m)], p)
+    cfg = _portable(bucket_config(p), p)
     if cfg.predecode_w and not config_ok(cfg, p)[0]:  # fp32 output: the kernel
         cfg = dataclasses.replace(cfg, predecode_w=False)
     split = _split_for(cfg, p.m, p.n, p.k, p.device)
@@ -463,7 +486,7 @@ def default_config(p: Problem) -> GemmConfig:
     cfg = dataclasses.replace(cfg, split_k=split)
     ok, why = config_ok(cfg, p)
     if not ok:  # keep dispatch total: fall back to the smallest config
-        cfg = _portable(DEFAULT_CONFIGS[0], p)
+        cfg = _portable(kernel_tuning.load("nvfp4_triton", "sm90", GemmConfig).default[0][1], p)
     return cfg
 
 

@@ -39,7 +39,7 @@ from typing import Union
 
 import torch
 
-from scaledmm import backends, env, jit
+from scaledmm import backends, env, jit, kernel_tuning
 from scaledmm.device import NUM_SMS_H200, sm_count
 from scaledmm.backends import Backend, Problem
 from scaledmm.ops import skinny
@@ -280,7 +280,8 @@ def m_bucket(m: int) -> int:
 
 
 # ----------------------------------------------------------------------------
-# H200 tables.  TUNING: the TMA kernel's config per (N, K) and M bucket
+# H200 tables (scaledmm/tuning/kernels/skinny_fused_a[_tma]_sm90.json, read by
+# tuned()).  TUNING: the TMA kernel's config per (N, K) and M bucket
 # (predictions until benchmarks/experiments/skinny.py has timed them; see
 # benchmarks/NOTES.md).  A PDL launch runs pdl_config() of it: the same tiles
 # and chunks (so the same summation order: PDL on and off give identical
@@ -290,24 +291,30 @@ def m_bucket(m: int) -> int:
 # graph replay; provenance in benchmarks/NOTES.md).
 # ----------------------------------------------------------------------------
 
-T = TmaConfig
-TUNING: dict[tuple[int, int], dict[int, Config]] = {
-    (2112, 7168): {8: T(32, 2, 256, 6, 4), 16: T(32, 2, 256, 6, 4)},
-    (1536, 7168): {8: T(32, 2, 256, 6, 4), 16: T(32, 2, 256, 6, 4)},
-    (576, 7168): {8: T(48, 8, 448, 2, 6), 16: T(48, 8, 448, 2, 6)},
-    (256, 7168): {8: T(16, 8, 448, 2, 4), 16: T(16, 8, 448, 2, 4)},
-    (24576, 1536): {8: T(64, 1, 256, 4, 4, True), 16: T(64, 1, 256, 4, 4, True)},
-}
-del T
-R = RegConfig
-REG_TUNING: dict[tuple[int, int], dict[int, RegConfig]] = {
-    (2112, 7168): {8: R(16, 8, 1, 4), 16: R(16, 8, 2, 2)},        # M=16: 10.3 vs 11.8
-    (1536, 7168): {8: R(16, 8, 1, 4), 16: R(32, 8, 4, 2)},        # 8.1 vs 8.9; 9.2 vs 10.8
-    (576, 7168): {8: R(16, 4, 8, 4, True), 16: R(32, 8, 8, 2)},   # M=16: 5.2 vs 5.8
-    (256, 7168): {8: R(32, 8, 8, 4), 16: R(32, 8, 8, 4)},         # 2.6 vs 2.7; 3.3 vs 3.6
-    (24576, 1536): {8: R(32, 4, 1, 2), 16: R(32, 4, 1, 2)},
-}
-del R
+def _table(tma: bool) -> kernel_tuning.KernelTable:
+    if tma:
+        return kernel_tuning.load("skinny_fused_a_tma", "sm90", TmaConfig)
+    return kernel_tuning.load("skinny_fused_a", "sm90", RegConfig)
+
+
+def tuned(n: int, k: int, m_bucket: int, tma: bool = False) -> Config | None:
+    """The table's config (version 2's with ``tma``) for an ``N x K`` weight
+    and M bucket, or None (read once from
+    ``scaledmm/tuning/kernels/skinny_fused_a[_tma]_sm90.json``).
+
+    Examples
+    --------
+    >>> tuned(2112, 7168, 16), tuned(64, 128, 8)
+    (RegConfig(rows=16, warps=8, split_k=2, unroll=2, prefetch=False), None)
+    """
+    return _table(tma).lookup(n, k, m_bucket)
+
+
+def __getattr__(name: str):
+    # TUNING (version 2) / REG_TUNING (version 1): {(n, k): {m_bucket: config}}
+    if name in ("TUNING", "REG_TUNING"):
+        return _table(name == "TUNING").by_shape()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _tile_shapes(n: int, k: int, m_bucket: int, num_sms: int) -> list[tuple[float, int, int]]:
@@ -411,11 +418,11 @@ def choose_config(n: int, k: int, m: int, pdl: bool = False, num_sms: int = NUM_
     :func:`default_config`, and with ``pdl`` its :func:`pdl_config`."""
     mb = m_bucket(m)
     if KERNEL != "tma":
-        cfg = REG_TUNING.get((n, k), {}).get(mb)
+        cfg = tuned(n, k, mb)
         if cfg is None or not config_valid(cfg, n, k, mb)[0]:
             cfg = reg_default_config(n, k, mb, num_sms)
         return cfg
-    cfg = TUNING.get((n, k), {}).get(mb)
+    cfg = tuned(n, k, mb, tma=True)
     if cfg is None or not config_valid(cfg, n, k, mb)[0]:
         cfg = default_config(n, k, mb, num_sms)
     return pdl_config(cfg, n, k, mb) if pdl else cfg
@@ -440,8 +447,7 @@ def candidate_configs(n: int, k: int, m_bucket: int, limit: int = 24, num_sms: i
     shapes and ring depths.
     """
     seen: dict[Config, None] = {}
-    first = [TUNING.get((n, k), {}).get(m_bucket), default_config(n, k, m_bucket, num_sms),
-             REG_TUNING.get((n, k), {}).get(m_bucket)]
+    first = [tuned(n, k, m_bucket, tma=True), default_config(n, k, m_bucket, num_sms), tuned(n, k, m_bucket)]
     for cfg in first:
         if cfg is not None and config_valid(cfg, n, k, m_bucket)[0]:
             seen[cfg] = None
