@@ -62,14 +62,24 @@ def test_padded_op_pads_only_for_backends_that_need_it(fake_backends):
     backends.register(Backend(Family.FP8_BLOCK, "t_any", {"fp8_block_mm": lambda a, b, sa, sb, bs, od: (
         seen.append(a.shape[0]) or ops.reference_mm(a, b, sa, sb, bs, od))}))
     try:
-        a = torch.randn(3, 128).to(torch.float8_e4m3fn)
-        b = torch.randn(32, 128).to(torch.float8_e4m3fn)
-        sa, sb = torch.ones(3, 1), torch.ones(1, 1)
+        gen = torch.Generator().manual_seed(15)
+        a = torch.randn(3, 256, generator=gen).to(torch.float8_e4m3fn)
+        b = torch.randn(160, 256, generator=gen).to(torch.float8_e4m3fn)
+        sa, sb = torch.rand(3, 2, generator=gen) + 0.5, torch.rand(2, 2, generator=gen) + 0.5
         with scaledmm.use_backend("fp8_block", "t_any"):  # any M: no padding copy
-            torch.ops.scaledmm.padded_fp8_block_mm(a, b, sa, sb)
+            direct = torch.ops.scaledmm.padded_fp8_block_mm(a, b, sa, sb)
         with scaledmm.use_backend("fp8_block", "t_aligned"):  # M % 4: padded to 4
             out = torch.ops.scaledmm.padded_fp8_block_mm(a, b, sa, sb)
-        assert seen == [3] and fake_backends == ["t_aligned"] and out.shape == (3, 32)
+        assert seen == [3] and fake_backends == ["t_aligned"] and out.shape == (3, 160)
+        # the padded rows change nothing: the same backend math on the same rows
+        assert torch.equal(out, direct)
+        # and the SPEC's block sum in float64: |fp32 sums| <= (K + 4) u sum |terms|, then bf16
+        deq = lambda q, s, r: q.double() * s.double()[torch.arange(q.shape[0]) // r][:, torch.arange(256) // 128]
+        a64, b64 = deq(a, sa, 1), deq(b, sb, 128)
+        ref, mag = a64 @ b64.t(), a64.abs() @ b64.abs().t()
+        bound = (256 + 4) * 2.0 ** -24 * mag
+        lo, hi = (ref - bound).to(torch.bfloat16).double(), (ref + bound).to(torch.bfloat16).double()
+        assert ((out.double() >= lo) & (out.double() <= hi)).all()
     finally:
         backends.unregister("fp8_block", "t_any")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, strategies as st
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -17,6 +16,7 @@ from scaledmm.ops import fp8 as F8
 
 from helpers import requires_cuda
 from helpers import FP8
+from layer_reference import check_within, fp8_layer_model
 
 OPS = torch.ops.scaledmm
 U = 2.0 ** -24
@@ -97,14 +97,12 @@ def test_matches_float_model_within_fp8_bound(k, n, m, lead, dtype, per_channel,
     y = layer(x)
     assert y.shape == (*lead, m, n) and y.dtype == dtype
     assert_within_fp8_bound(y, x, lin, layer)
-    # and exactly the ops on the padded operands
-    x2 = F.pad(x.reshape(-1, k), (0, layer.padded_in_features - k))
-    if activation == "static":
-        q, s = OPS.quant_fp8(x2, layer.input_scale)
-    else:
-        q, s = OPS.quant_fp8(x2, None, activation == "dynamic_per_token")
-    want = F8.reference_mm(q, layer.weight, s, layer.weight_scale, layer.bias, dtype)[:, :n]
-    assert torch.equal(y.reshape(-1, n), want)
+    # and a float64 model of the stored codes and scales with the activation quantized
+    # by the SPEC recipe: only fp32 accumulation and output rounding are left
+    ref, bound = fp8_layer_model(x.reshape(-1, k), layer.weight.detach(), layer.weight_scale.detach(),
+                                 None if layer.bias is None else layer.bias.detach(), n, activation,
+                                 layer.input_scale.detach() if activation == "static" else None, dtype)
+    check_within(y, ref, bound, dtype)
 
 
 def test_nan_row_stays_in_its_row():

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import scaledmm  # noqa: F401
 from scaledmm.layers import NvFp4Linear
 
+import layer_reference as lr
 from helpers import requires_cuda
 from nvfp4_helpers import check_gemm, ref_decode_codes, ref_quant, ref_unpack, ref_unswizzle
 
@@ -127,6 +128,27 @@ def test_from_float(use_w4a16, input_amax):
     s_lin = ref_unswizzle(layer.weight_scale.detach().float(), n_pad, k_pad // 16)
     assert torch.equal(s_lin[:n, : k // 16], s)
     assert (s_lin[n:] == 0).all() and (s_lin[:, k // 16:] == 0).all()
+    # forward against a float64 model of the stored codes and scales, decoded and
+    # unswizzled by tests/layer_reference.py (the SPEC table and offset formula)
+    w64 = (lr.decode_e2m1(lr.unpack_e2m1(layer.weight.detach()))[:n, :k]
+           * lr.unswizzle(layer.weight_scale.detach().view(torch.uint8), n, k // 16).view(E4M3).double()
+           .repeat_interleave(16, dim=1))
+    t = {"weight_scale_2": ws2, "bias": layer.bias.detach()[:n]}
+    if layer.input_scale is not None and not layer.dynamic_input_scale:
+        t["input_scale"] = layer.input_scale.detach()
+    gen = torch.Generator().manual_seed(40 + int(use_w4a16))
+    for m in (0, 1, 3, 17):
+        x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16)
+        out = layer(x)
+        if use_w4a16:
+            X = x.double()
+            ref = float(ws2) * (X @ w64.t()) + t["bias"].double()
+            check_gemm(out, ref, float(ws2) * (X.abs() @ w64.abs().t()), k, torch.bfloat16)
+        else:
+            amax = x.float().abs().amax() if m else torch.tensor(1.0)
+            gs = 1.0 / t["input_scale"].float() if "input_scale" in t else (448 * 6 / amax).float()
+            ref, bound, nan_rows = expected_w4a4(x, t, w64, gs)
+            check_gemm(out, ref, bound, k, torch.bfloat16, nan_rows)
     # zero weights quantize to zeros (no inf global scale)
     zero = torch.nn.Linear(k, n, bias=False)
     torch.nn.init.zeros_(zero.weight)
