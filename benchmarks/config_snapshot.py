@@ -101,7 +101,7 @@ def _nvfp4_triton() -> dict[str, Any]:
     from scaledmm.ops import nvfp4_triton_quant as NQ
 
     out = {}
-    with _patched(NT, "_sm_count", lambda device: NUM_SMS):
+    with _patched(NT, "grid_sms", lambda device: NUM_SMS):
         for key, n, k, m in _points():
             for dname, dt in OUT_DTYPES.items():
                 for w4a16 in (False, True):

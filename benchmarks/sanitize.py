@@ -97,8 +97,8 @@ class Case:
 
 
 CASES: tuple[Case, ...] = (
-    Case("fp8b_tri_mm_plain", "fp8_block Triton _mm_kernel 32x64, no split, row-major a_scales", "M17 N200 K1040"),
-    Case("fp8b_tri_mm_splitk", "fp8_block Triton 32x64 split_k=4 (one empty split) + _splitk_reduce_kernel",
+    Case("fp8b_tri_mm_plain", "fp8_block Triton mm_kernel 32x64, no split, row-major a_scales", "M17 N200 K1040"),
+    Case("fp8b_tri_mm_splitk", "fp8_block Triton 32x64 split_k=4 (one empty split) + splitk_reduce_kernel",
          "M17 N200 K1040"),
     Case("fp8b_tri_mm_swap", "fp8_block Triton 16x64 swap_ab split_k=2, column-major a_scales", "M17 N200 K1040"),
     Case("fp8b_tri_mm_tma", "fp8_block Triton 64x128 TMA descriptors (out-of-bounds fill)", "M17 N200 K1040"),

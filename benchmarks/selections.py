@@ -162,24 +162,24 @@ def simulated(arch: str) -> Iterator[torch.device]:
     def supported(backend, device):
         return True, "simulated"
 
-    supported.cache_clear = lambda: None  # backends._invalidate() clears the real cache
-    saved = [(backends, "arch_key", backends.arch_key), (backends, "_supported_cached", backends._supported_cached),
+    supported.cache_clear = lambda: None  # backends.invalidate() clears the real cache
+    saved = [(backends, "arch_key", backends.arch_key), (backends, "supported_on", backends.supported_on),
              (torch.cuda, "get_device_capability", torch.cuda.get_device_capability),
-             (jit, "nvrtc_available", jit.nvrtc_available), (jit, "_driver", jit._driver)]
+             (jit, "nvrtc_available", jit.nvrtc_available), (jit, "cuda_driver", jit.cuda_driver)]
     backends.arch_key = lambda d: arch if d.type == "cuda" else d.type
-    backends._supported_cached = supported
+    backends.supported_on = supported
     if arch != "cpu":
         cap = _capability(arch)
         torch.cuda.get_device_capability = lambda d=None: cap
     jit.nvrtc_available = lambda: (True, "simulated")
-    jit._driver = lambda: None
-    backends._invalidate()
+    jit.cuda_driver = lambda: None
+    backends.invalidate()
     try:
         yield torch.device("cpu") if arch == "cpu" else torch.device("cuda", 0)
     finally:
         for obj, name, value in saved:
             setattr(obj, name, value)
-        backends._invalidate()
+        backends.invalidate()
 
 
 def _runs(names: list[str], ms: tuple[int, ...]) -> str:

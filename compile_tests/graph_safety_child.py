@@ -56,6 +56,7 @@ import torch  # noqa: E402
 import scaledmm  # noqa: E402
 from scaledmm import backends  # noqa: E402
 from scaledmm.backends import Family, Problem  # noqa: E402
+from scaledmm.device import interpreting  # noqa: E402
 from scaledmm.ops import fp8 as f8  # noqa: E402
 from scaledmm.ops import fp8_block as fb  # noqa: E402
 from scaledmm.ops import nvfp4 as nv  # noqa: E402
@@ -580,14 +581,14 @@ def _plant_counter_cache() -> None:
     from scaledmm.ops import fp8_block_triton as T
     from scaledmm.ops import fp8_block_triton_splitk as S
 
-    S._COUNTERS = {}
+    S.COUNTERS = {}
 
     def cached(device, tiles):
-        buf = S._COUNTERS.setdefault(device, torch.zeros(4096, dtype=torch.int32, device=device))
+        buf = S.COUNTERS.setdefault(device, torch.zeros(4096, dtype=torch.int32, device=device))
         return buf[:tiles]
 
     cached.__module__ = S.__name__
-    T._tile_counters = S._tile_counters = cached
+    T.tile_counters = S.tile_counters = cached
 
 
 def _spy(module, name: str, calls: collections.Counter, key: str) -> None:
@@ -605,7 +606,7 @@ def run_held(only: list[str], plant: bool) -> str:
     from scaledmm.ops import fp8_block_triton as T
     from scaledmm.ops import nvfp4_triton as nt
 
-    if not T._INTERPRET:
+    if not interpreting():
         raise CaseFailed("held: run with TRITON_INTERPRET=1 (set before triton is imported)")
     cpu = torch.device("cpu")
     w = Weights(cpu)
@@ -613,8 +614,8 @@ def run_held(only: list[str], plant: bool) -> str:
         _plant_counter_cache()
     baseline = held_tensors()
     split_k = collections.Counter()
-    _spy(T, "_tile_counters", split_k, "fp8_block one-launch")
-    _spy(nt, "_tile_counters", split_k, "nvfp4 split-K")
+    _spy(T, "tile_counters", split_k, "fp8_block one-launch")
+    _spy(nt, "tile_counters", split_k, "nvfp4 split-K")
     todo = [c for c in cases(cpu) if not only or f"{c[0]}:{c[1]}" in only]
     errors = []
     with torch.no_grad():

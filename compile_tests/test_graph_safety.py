@@ -311,4 +311,4 @@ def test_held_check_fails_on_a_process_wide_counter_cache():
     """The check above catches the pattern it is for: with the one-launch
     counters cached per process again, the child fails naming the cache."""
     r = _interpreted(("held", "--only", "fp8_block_mm:triton", "--plant"))
-    assert r.returncode == 1 and "_COUNTERS" in r.stderr, report(r)
+    assert r.returncode == 1 and "fp8_block_triton_splitk.COUNTERS" in r.stderr, report(r)

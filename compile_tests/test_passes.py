@@ -274,7 +274,7 @@ def test_fp8_block_cond_without_quant_lowers_to_the_padded_op():
 
     def mm(a, b, sa, sb, block_size, out_dtype):
         seen.append(a.shape[0])
-        return fb._reference_mm_f32(a, b, sa, sb, block_size).to(out_dtype)
+        return fb.reference_mm_f32(a, b, sa, sb, block_size).to(out_dtype)
 
     backends.register(backends.Backend(fb.FAMILY, "t_aligned4", impls={"fp8_block_mm": mm},
                                        can_implement=aligned_only, needs_m_multiple=4))
@@ -282,7 +282,7 @@ def test_fp8_block_cond_without_quant_lowers_to_the_padded_op():
         with scaledmm.use_backend("fp8_block", "t_aligned4"), one_graph_for_all_m():
             for m in (3, 1, 17, 4, 0):
                 q, s = quant(m)
-                want = fb._reference_mm_f32(q, w, s, ws, (128, 128)).to(torch.bfloat16)
+                want = fb.reference_mm_f32(q, w, s, ws, (128, 128)).to(torch.bfloat16)
                 torch.testing.assert_close(cf(q, s), want)
     finally:
         backends.unregister(fb.FAMILY, "t_aligned4")

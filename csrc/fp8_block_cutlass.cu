@@ -195,7 +195,7 @@ using StrideD = typename Gemm::GemmKernel::StrideD;
 
 extern "C" {
 
-// Mirrors ops/fp8_block_cutlass.py:_Args (ctypes.Structure); keep in sync and
+// Mirrors ops/fp8_block_cutlass.py:Args (ctypes.Structure); keep in sync and
 // bump SMM_ABI_VERSION on any change.
 struct smm_fp8_block_args {
   int32_t abi_version;

@@ -193,10 +193,20 @@ def _expand_block_scales(s: torch.Tensor, rows: int, cols: int, br: int, bc: int
 def reference_mm(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
     """Dequantize both operands in fp32 and multiply with fp32 accumulation."""
     check_mm_args("fp8_block_mm", a, b, a_scales, b_scales, block_size, out_dtype)
-    return _reference_mm_f32(a, b, a_scales, b_scales, block_size).to(out_dtype)
+    return reference_mm_f32(a, b, a_scales, b_scales, block_size).to(out_dtype)
 
 
-def _reference_mm_f32(a, b, a_scales, b_scales, block_size):
+def reference_mm_f32(a, b, a_scales, b_scales, block_size):
+    """``a @ b.T`` of the dequantized operands in fp32, unrounded (what every
+    backend's output rounds).
+
+    Examples
+    --------
+    >>> a = torch.ones(2, 128).to(torch.float8_e4m3fn)
+    >>> b = torch.ones(3, 128).to(torch.float8_e4m3fn)
+    >>> reference_mm_f32(a, b, torch.ones(2, 1), torch.full((1, 1), 0.5), (128, 128)).tolist()[0]
+    [64.0, 64.0, 64.0]
+    """
     bn, bk = block_size
     m, k = a.shape
     n = b.shape[0]
@@ -208,7 +218,7 @@ def _reference_mm_f32(a, b, a_scales, b_scales, block_size):
 def reference_linear(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None):
     """Quantize ``x`` per 1 x bk group, block GEMM in fp32, bias added in fp32."""
     q, s = reference_quant(x, block_size[1])
-    out = _reference_mm_f32(q, b, s, b_scales, block_size)
+    out = reference_mm_f32(q, b, s, b_scales, block_size)
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
@@ -228,7 +238,16 @@ def _cublas_supported(device: torch.device) -> tuple[bool, str]:
     return True, "torch._scaled_mm blockwise scaling (cuBLASLt)"
 
 
-def _cublas_can_implement(p: Problem) -> tuple[bool, str]:
+def cublas_can_implement(p: Problem) -> tuple[bool, str]:
+    """Whether the blockwise cuBLASLt backend can run ``p``, and why not.
+
+    Examples
+    --------
+    >>> a = torch.empty(6, 256, dtype=torch.float8_e4m3fn)
+    >>> b = torch.empty(128, 256, dtype=torch.float8_e4m3fn)
+    >>> cublas_can_implement(problem(a, b, (128, 128), torch.bfloat16, True))
+    (False, 'needs M % 4 == 0, got M=6')
+    """
     if p.m % ALIGN_M != 0:
         return False, f"needs M % {ALIGN_M} == 0, got M={p.m}"
     if p.opt("block_size") != (128, 128):
@@ -239,7 +258,7 @@ def _cublas_can_implement(p: Problem) -> tuple[bool, str]:
         return False, f"blockwise cuBLASLt writes bf16 only, got out_dtype={p.out_dtype}"
     if p.a_row_stride % 16 != 0:
         return False, f"needs a row stride that is a multiple of 16, got {p.a_row_stride}"
-    if not _cublas_v1_scales_ok(V.ceil_div(p.n, 128), p.k // 128) and _scaled_mm_v2() is None:
+    if not _cublas_v1_scales_ok(V.ceil_div(p.n, 128), p.k // 128) and scaled_mm_v2() is None:
         return False, (f"K/128 = {p.k // 128} is not a multiple of 4: needs torch.nn.functional.scaled_mm "
                        "(padded 128x128 scales), absent in this torch")
     return True, "aligned"
@@ -253,7 +272,7 @@ def _cublas_can_implement(p: Problem) -> tuple[bool, str]:
 #   row stride of exactly K/128 (size-1 dims exempt).
 # cuBLASLt reads 128x128 scales with a row stride of L4 = round_up(K/128, 4)
 # (pytorch#166752), so v1 is right only when K/128 % 4 == 0 or N <= 128.  The
-# other shapes go through _scaled_mm_v2 / F.scaled_mm, whose 1x128 x 128x128
+# other shapes go through scaled_mm_v2 / F.scaled_mm, whose 1x128 x 128x128
 # recipe takes scale_b as [L4, N/128] with strides (1, L4).
 
 
@@ -261,8 +280,14 @@ def _cublas_v1_scales_ok(nb: int, kb: int) -> bool:
     return kb % 4 == 0 or nb <= 1
 
 
-def _scaled_mm_v2():
-    """``torch.nn.functional.scaled_mm`` and its ScalingType, or None."""
+def scaled_mm_v2():
+    """``torch.nn.functional.scaled_mm`` and its ScalingType, or None.
+
+    Examples
+    --------
+    >>> scaled_mm_v2() is None or callable(scaled_mm_v2()[0])
+    True
+    """
     fn = getattr(torch.nn.functional, "scaled_mm", None)
     st = getattr(torch.nn.functional, "ScalingType", None)
     return (fn, st) if fn is not None and st is not None else None
@@ -319,7 +344,7 @@ def cublas_mm(a, b, a_scales, b_scales, block_size, out_dtype):
     if _cublas_v1_scales_ok(*b_scales.shape):
         return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=cublas_b_scales(b_scales).t(),
                                 out_dtype=out_dtype)
-    scaled_mm, st = _scaled_mm_v2()
+    scaled_mm, st = scaled_mm_v2()
     return scaled_mm(a, b.t(), sa, st.BlockWise1x128, cublas_b_scales_l4(b_scales), st.BlockWise128x128,
                      output_dtype=out_dtype)
 
@@ -453,7 +478,7 @@ fp8_block_linear = define(
 )
 
 def _reference_mm_backend(a, b, a_scales, b_scales, block_size, out_dtype):
-    return _reference_mm_f32(a, b, a_scales, b_scales, block_size).to(out_dtype)
+    return reference_mm_f32(a, b, a_scales, b_scales, block_size).to(out_dtype)
 
 
 backends.register(Backend(
@@ -475,7 +500,7 @@ backends.register(Backend(
     FAMILY, "cublas",
     impls={"fp8_block_mm": cublas_mm},
     is_supported=_cublas_supported,
-    can_implement=_cublas_can_implement,
+    can_implement=cublas_can_implement,
     needs_m_multiple=ALIGN_M,
     description="torch._scaled_mm with 1x128 / 128x128 blockwise scales",
 ))

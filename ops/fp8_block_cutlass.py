@@ -68,7 +68,16 @@ NVCC_OPTIONS = ("--expt-relaxed-constexpr", "-DNDEBUG")
 
 
 @functools.lru_cache(maxsize=None)
-def _cutlass_include(env_value: str | None) -> Path | None:
+def cutlass_include(env_value: str | None) -> Path | None:
+    """CUTLASS's include folder: ``env_value`` if it has the headers, else the
+    ``cutlass_library`` package's, else None.  Cached: call ``cache_clear()``
+    after changing what is installed.
+
+    Examples
+    --------
+    >>> cutlass_include("/nonexistent") is None or cutlass_include("/nonexistent").is_dir()
+    True
+    """
     cands = [Path(env_value)] if env_value else []
     spec = importlib.util.find_spec("cutlass_library")  # locate without importing it
     if spec is not None and spec.submodule_search_locations:
@@ -79,11 +88,19 @@ def _cutlass_include(env_value: str | None) -> Path | None:
 def cutlass_include_dir() -> Path | None:
     """CUTLASS headers: ``$SCALEDMM_CUTLASS_INCLUDE`` or the ``nvidia-cutlass``
     wheel's ``cutlass_library/source/include``; None when absent."""
-    return _cutlass_include(env.cutlass_include())
+    return cutlass_include(env.cutlass_include())
 
 
 @functools.lru_cache(maxsize=None)
-def _header_version(include: Path | None) -> str:
+def header_version(include: Path | None) -> str:
+    """The CUTLASS version ``include/cutlass/version.h`` declares (the pinned
+    one without headers).
+
+    Examples
+    --------
+    >>> header_version(None) == PINNED_CUTLASS_VERSION
+    True
+    """
     if include is None:
         return PINNED_CUTLASS_VERSION
     text = (include / "cutlass" / "version.h").read_text()
@@ -93,7 +110,7 @@ def _header_version(include: Path | None) -> str:
 
 def cutlass_version() -> str:
     """Version of the CUTLASS headers the libraries are (or were) built with."""
-    return _header_version(cutlass_include_dir())
+    return header_version(cutlass_include_dir())
 
 
 def _is_supported(device: torch.device) -> tuple[bool, str]:
@@ -345,8 +362,14 @@ def select_config(problem: Problem) -> CutlassConfig | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _nvcc_release(nvcc: str | None) -> str:
-    """``"13.0"`` from ``nvcc --version``; the pinned release without nvcc."""
+def nvcc_release(nvcc: str | None) -> str:
+    """``"13.0"`` from ``nvcc --version``; the pinned release without nvcc.
+
+    Examples
+    --------
+    >>> nvcc_release(None) == PINNED_NVCC_RELEASE
+    True
+    """
     if nvcc is None:
         return PINNED_NVCC_RELEASE
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
@@ -367,7 +390,7 @@ class _PortableSpec(jit.NvccLibrarySpec):
             "format": 1, "kind": "nvcc-portable", "name": self.name, "arch": self.arch,
             "files": [(f.name, hashlib.sha256(f.read_bytes()).hexdigest()) for f in self.files],
             "options": list(self.options), "defines": [list(d) for d in self.defines],
-            "extra_key": self.extra_key, "nvcc": _nvcc_release(jit.nvcc_path()),
+            "extra_key": self.extra_key, "nvcc": nvcc_release(jit.nvcc_path()),
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -393,7 +416,7 @@ def table_specs(out_dtypes=(torch.bfloat16,)) -> list[jit.NvccLibrarySpec]:
     return [library_spec(row.config, dt) for row in table() for dt in out_dtypes]
 
 
-class _Args(ctypes.Structure):
+class Args(ctypes.Structure):
     """Mirror of ``smm_fp8_block_args`` in csrc/fp8_block_cutlass.cu."""
 
     _fields_ = [
@@ -410,8 +433,8 @@ class _Args(ctypes.Structure):
 
 
 def args_layout() -> list[int]:
-    """``[sizeof, offsets...]`` of :class:`_Args` (compare with the library's)."""
-    return [ctypes.sizeof(_Args)] + [getattr(_Args, f).offset for f, _ in _Args._fields_]
+    """``[sizeof, offsets...]`` of :class:`Args` (compare with the library's)."""
+    return [ctypes.sizeof(Args)] + [getattr(Args, f).offset for f, _ in Args._fields_]
 
 
 _ERR_LEN = 512
@@ -422,13 +445,13 @@ class CutlassLibrary:
 
     def __init__(self, cdll: ctypes.CDLL, name: str) -> None:
         self.name = name
-        self._lib = cdll
+        self.cdll = cdll
         cdll.smm_abi_version.restype = ctypes.c_int
         cdll.smm_describe.argtypes = [ctypes.c_char_p, ctypes.c_int]
         cdll.smm_prepare.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-        cdll.smm_workspace_size.argtypes = [ctypes.POINTER(_Args), ctypes.c_char_p, ctypes.c_int]
+        cdll.smm_workspace_size.argtypes = [ctypes.POINTER(Args), ctypes.c_char_p, ctypes.c_int]
         cdll.smm_workspace_size.restype = ctypes.c_int64
-        cdll.smm_run.argtypes = [ctypes.POINTER(_Args), ctypes.c_char_p, ctypes.c_int]
+        cdll.smm_run.argtypes = [ctypes.POINTER(Args), ctypes.c_char_p, ctypes.c_int]
         cdll.smm_args_layout.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
         version = cdll.smm_abi_version()
         if version != ABI_VERSION:
@@ -442,12 +465,12 @@ class CutlassLibrary:
     def args_layout(self) -> list[int]:
         """``[sizeof, offsets...]`` of the C argument struct (no CUDA call)."""
         buf = (ctypes.c_int64 * 64)()
-        count = self._lib.smm_args_layout(buf, 64)
+        count = self.cdll.smm_args_layout(buf, 64)
         return list(buf[:count])
 
     def describe(self) -> str:
         buf = ctypes.create_string_buffer(_ERR_LEN)
-        self._lib.smm_describe(buf, _ERR_LEN)
+        self.cdll.smm_describe(buf, _ERR_LEN)
         return buf.value.decode()
 
     def prepare(self, device_index: int) -> None:
@@ -457,19 +480,19 @@ class CutlassLibrary:
         with self._lock:
             if device_index not in self._prepared:
                 buf = ctypes.create_string_buffer(_ERR_LEN)
-                self._check(self._lib.smm_prepare(device_index, buf, _ERR_LEN), "smm_prepare", buf)
+                self._check(self.cdll.smm_prepare(device_index, buf, _ERR_LEN), "smm_prepare", buf)
                 self._prepared.add(device_index)
 
-    def workspace_size(self, args: _Args) -> int:
+    def workspace_size(self, args: Args) -> int:
         buf = ctypes.create_string_buffer(_ERR_LEN)
-        size = self._lib.smm_workspace_size(ctypes.byref(args), buf, _ERR_LEN)
+        size = self.cdll.smm_workspace_size(ctypes.byref(args), buf, _ERR_LEN)
         if size < 0:
             raise RuntimeError(f"{self.name}: smm_workspace_size: {buf.value.decode()}")
         return size
 
-    def run(self, args: _Args) -> None:
+    def run(self, args: Args) -> None:
         buf = ctypes.create_string_buffer(_ERR_LEN)
-        self._check(self._lib.smm_run(ctypes.byref(args), buf, _ERR_LEN), "smm_run", buf)
+        self._check(self.cdll.smm_run(ctypes.byref(args), buf, _ERR_LEN), "smm_run", buf)
 
     def _check(self, rc: int, what: str, buf=None) -> None:
         if rc != 0:
@@ -537,10 +560,10 @@ class PreparedCall:
     sbn: int
     copies: tuple[str, ...] = ()
 
-    def args(self, device_index: int, sm_count: int, stream: int) -> _Args:
+    def args(self, device_index: int, sm_count: int, stream: int) -> Args:
         m, k = self.a.shape
         cfg = self.config
-        return _Args(
+        return Args(
             ABI_VERSION, device_index, sm_count, m, self.b.shape[0], k,
             self.a.data_ptr(), self.b.data_ptr(), self.a_scales.data_ptr(), self.b_scales.data_ptr(),
             self.out.data_ptr(), self.lda, self.ldd, self.sam, self.sak, self.sbn, None, 0, stream,

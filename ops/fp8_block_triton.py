@@ -2,9 +2,9 @@
 (DeepSeek-V3 recipe: 1 x 128 activation groups, 128 x 128 weight blocks).
 
 * ``per_token_group_quant_fp8``: the quant kernel and its launcher live in
-  ``ops/fp8_block_triton_quant.py`` (imported and re-exported here:
-  ``per_token_group_quant``, ``_quant_kernel``, ``_quant_rows``, ...).
-* ``_mm_kernel``: ``fp8_block_mm`` for any M (masks or TMA out-of-bounds fill,
+  ``ops/fp8_block_triton_quant.py`` (``per_token_group_quant`` is re-exported
+  here; ``quant_kernel``, ``e4m3_soft``, ``bytes_view`` are that module's).
+* ``mm_kernel``: ``fp8_block_mm`` for any M (masks or TMA out-of-bounds fill,
   no padding copies).  Per 128-wide K block: fp32 ``tl.dot`` of the fp8 tiles
   times ``a_scale[m] * b_scale[n]`` into the fp32 accumulator.  One frozen
   :class:`MMConfig` picks split-K (fp32 workspace, fixed-order reduce),
@@ -12,9 +12,9 @@
   warp specialization; ``QUANT_A`` quantizes a bf16/fp16 activation tile in
   registers (``fp8_block_linear``, the quant module's ``_quant_rows``),
   bit-identical to the quant op + GEMM.
-* ``_splitk_reduce_kernel`` (``ops/fp8_block_triton_splitk.py``, with the
+* ``splitk_reduce_kernel`` (``ops/fp8_block_triton_splitk.py``, with the
   one-launch tile counters): sums split-K partials (+ bias), rounds once.
-  ``MMConfig.one_launch`` folds that second launch into ``_mm_kernel``: the
+  ``MMConfig.one_launch`` folds that second launch into ``mm_kernel``: the
   last program of each output tile (per-tile counter, release/acquire; the
   counters are zeroed per call) sums the partials in split order,
   bit-identical to the two-launch path.
@@ -43,26 +43,18 @@ from scaledmm.backends import Backend, Problem
 from scaledmm.oplib import FP8_DTYPE
 
 from . import fp8_block as base
-from .fp8_block_triton_quant import (  # noqa: F401 - re-exported: ft.<name> keeps working
+from .fp8_block_triton_quant import (
     _INTERPRET,
-    _bytes_view,
     _capability,
     _device_gate,
     _device_guard,
-    _e4m3_soft,
-    _fix_interpreter_index,
     _fp8_mode,
-    _next_pow2,
     _num_sms,
-    _pow2_ceil,
-    _quant_kernel,
     _quant_rows,
+    bytes_view,
     per_token_group_quant,
 )
-from .fp8_block_triton_splitk import (  # noqa: F401 - re-exported: T.<name> keeps working
-    _splitk_reduce_kernel,
-    _tile_counters,
-)
+from .fp8_block_triton_splitk import splitk_reduce_kernel, tile_counters
 
 __all__ = [
     "MMConfig",
@@ -133,7 +125,7 @@ def can_implement(p: Problem) -> tuple[bool, str]:
 
 @dataclasses.dataclass(frozen=True)
 class MMConfig:
-    """One launch configuration of ``_mm_kernel``.
+    """One launch configuration of ``mm_kernel``.
 
     Parameters
     ----------
@@ -364,7 +356,7 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int = 132, fused: bool = 
 
 
 @triton.jit
-def _fp16_from_e4m3(codes):
+def fp16_from_e4m3(codes):
     """e4m3 bits (uint8) -> fp16 holding value * 2**-8, exactly (sm80 path)."""
     c = codes.to(tl.uint16)
     return (((c & 0x80) << 8) | ((c & 0x7F) << 7)).to(tl.float16, bitcast=True)
@@ -431,8 +423,8 @@ def _mm_tile(a, b, a_s, b_s, M, N, K, off_m, off_n, kb_lo, kb_hi,
         else:
             sb = tl.load(bs_ptr + kb * stride_bsk, mask=n_mask, other=0.0)
         if WIDEN:  # sm80: fp16 operands hold value * 2**-8 each
-            a_t = _fp16_from_e4m3(a_t)
-            b_t = _fp16_from_e4m3(b_t)
+            a_t = fp16_from_e4m3(a_t)
+            b_t = fp16_from_e4m3(b_t)
             sa = sa * 65536.0
         if SWAP_AB:
             if BLOCK_N <= 128:
@@ -476,7 +468,7 @@ def _mm_store(acc, c, ws, bias, counters, M, N, off_m, off_n, pid_k, split_k, ti
             # Deterministic split-K in one launch: the program that raises the
             # tile's counter to split_k (acq_rel: the partials stored before
             # the barrier by every split are visible) sums them in split order
-            # as _splitk_reduce_kernel does (the first partial, not 0.0 + it,
+            # as splitk_reduce_kernel does (the first partial, not 0.0 + it,
             # keeps -0.0).  The counters are this call's own (zeroed per call).
             tl.debug_barrier()
             count = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
@@ -490,7 +482,7 @@ def _mm_store(acc, c, ws, bias, counters, M, N, off_m, off_n, pid_k, split_k, ti
 
 
 @triton.jit(do_not_specialize=["M", "stride_asm", "stride_ask", "split_k"])
-def _mm_kernel(a, b, c, ws, a_s, b_s, bias, counters, M, N, K, split_k,
+def mm_kernel(a, b, c, ws, a_s, b_s, bias, counters, M, N, K, split_k,
                stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                GROUP_M: tl.constexpr, SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, SWAP_AB: tl.constexpr,
@@ -563,7 +555,7 @@ def _default_cached(m: int, n: int, k: int, num_sms: int, fused: bool, sm90: boo
     return default_config(m, n, k, num_sms, fused, sm90)
 
 
-def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, quant_a: bool,
+def run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, quant_a: bool,
             eps: float = 1e-10, warmup: bool = False) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[0]
@@ -582,8 +574,8 @@ def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, qua
     hopper_tma = dev.type == "cpu" or _capability(dev) >= (9, 0)
     a_tma = cfg.tma and hopper_tma and _tma_ok(a)
     b_tma = cfg.tma and hopper_tma and _tma_ok(b)
-    a_arg = _descriptor(a, cfg.block_m) if a_tma else _bytes_view(a, widen)
-    b_arg = _descriptor(b, cfg.block_n) if b_tma else _bytes_view(b, widen)
+    a_arg = _descriptor(a, cfg.block_m) if a_tma else bytes_view(a, widen)
+    b_arg = _descriptor(b, cfg.block_n) if b_tma else bytes_view(b, widen)
     split = cfg.split_k
     ws = torch.empty((split, m, n), dtype=torch.float32, device=dev) if split > 1 else out
     bias_arg = bias if bias is not None else out
@@ -597,7 +589,7 @@ def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, qua
     else:
         grid = (tiles, split)
     one_launch = cfg.one_launch and split > 1
-    counters = _tile_counters(dev, tiles) if one_launch else out
+    counters = tile_counters(dev, tiles) if one_launch else out
 
     def launch(kernel, grid, *args, **kwargs):  # warmup: compile only (see precompile)
         if warmup:
@@ -607,7 +599,7 @@ def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, qua
 
     with _device_guard(dev):
         launch(
-            _mm_kernel, grid, a_arg, b_arg, out, ws, a_s, b_scales, bias_arg, counters, m, n, k, split,
+            mm_kernel, grid, a_arg, b_arg, out, ws, a_s, b_scales, bias_arg, counters, m, n, k, split,
             a.stride(0), b.stride(0), out.stride(0), sa0, sa1, b_scales.stride(0), b_scales.stride(1),
             float(eps),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, GROUP_M=cfg.group_m,
@@ -619,7 +611,7 @@ def _run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, qua
         if split > 1 and not one_launch:
             block = 1024
             launch(
-                _splitk_reduce_kernel, (triton.cdiv(m * n, block),), ws, out, bias_arg, m, n, out.stride(0), split,
+                splitk_reduce_kernel, (triton.cdiv(m * n, block),), ws, out, bias_arg, m, n, out.stride(0), split,
                 HAS_BIAS=bias is not None,
                 BLOCK=block, num_warps=4)
     return out
@@ -641,7 +633,7 @@ def mm(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_scales: torch
     torch.Size([3, 128])
     """
     base.check_mm_args("fp8_block_mm", a, b, a_scales, b_scales, (128, 128), out_dtype)
-    return _run_mm(a, b, a_scales, b_scales, out_dtype, None, config, quant_a=False)
+    return run_mm(a, b, a_scales, b_scales, out_dtype, None, config, quant_a=False)
 
 
 def linear(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
@@ -668,9 +660,9 @@ def linear(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, out_dtype: 
 
 def _linear(x, b, b_scales, out_dtype, bias, config, fuse):
     if fuse if fuse is not None else x.shape[0] <= FUSE_QUANT_MAX_M:
-        return _run_mm(x, b, None, b_scales, out_dtype, bias, config, quant_a=True)
+        return run_mm(x, b, None, b_scales, out_dtype, bias, config, quant_a=True)
     q, s = per_token_group_quant(x, BLOCK_K)
-    return _run_mm(q, b, s, b_scales, out_dtype, bias, config, quant_a=False)
+    return run_mm(q, b, s, b_scales, out_dtype, bias, config, quant_a=False)
 
 
 def precompile(n: int, k: int, device: torch.device, ms=(1, 16, 64, 128, 512, 1024, 4096), fused=(False, True),
@@ -702,7 +694,7 @@ def precompile(n: int, k: int, device: torch.device, ms=(1, 16, 64, 128, 512, 10
                 sa = torch.ones(V.ceil_div(k, BLOCK_K), m, device=device).t()
                 for cfg in configs or [None]:
                     if cfg is None or config_ok(cfg, m, n, k, f)[0]:
-                        _run_mm(a, b, None if f else sa, bs, torch.bfloat16, None, cfg, f, warmup=True)
+                        run_mm(a, b, None if f else sa, bs, torch.bfloat16, None, cfg, f, warmup=True)
                         jobs += 1
     for kern in _WARMED:  # load the modules now too: a first launch would load them
         kern = kern.result() if hasattr(kern, "result") else kern
@@ -727,7 +719,7 @@ def autotune(m: int, n: int, k: int, device: torch.device, fused: bool = False,
     a, sa = (x, None) if fused else (x.to(FP8_DTYPE), torch.rand(m, kb, device=device, generator=gen) + 0.5)
     timed = []
     for cfg in candidate_configs(m, n, k, _num_sms(device), fused):
-        fn = functools.partial(_run_mm, a, b, sa, bs, out_dtype, None, cfg, fused)
+        fn = functools.partial(run_mm, a, b, sa, bs, out_dtype, None, cfg, fused)
         try:
             timed.append((do_bench(fn, warmup=5, rep=20, return_mode="median"), cfg))
         except Exception:  # a config that does not compile or fit here: skip it
@@ -741,7 +733,7 @@ def autotune(m: int, n: int, k: int, device: torch.device, fused: bool = False,
 
 
 def _mm_op(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16):
-    return _run_mm(a, b, a_scales, b_scales, out_dtype, None, None, quant_a=False)
+    return run_mm(a, b, a_scales, b_scales, out_dtype, None, None, quant_a=False)
 
 
 def _linear_op(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None):

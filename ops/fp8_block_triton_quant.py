@@ -3,13 +3,13 @@ op of backend ``triton`` (family ``fp8_block``; registered by
 ``ops/fp8_block_triton.py``), and the quantization device functions the fused
 GEMM of that module shares.
 
-* ``_quant_kernel``: ``per_token_group_quant_fp8``, bit-identical to
+* ``quant_kernel``: ``per_token_group_quant_fp8``, bit-identical to
   ``ops.fp8_block.reference_quant`` (true division, round to nearest even);
   any row stride; row-, column-major or TMA-aligned scales; ue8m0 option.
-* ``_quant_rows`` (with ``_e4m3_soft``, ``_pow2_ceil``): one group per tile
-  row; also ``QUANT_A`` of ``fp8_block_triton._mm_kernel``
+* ``_quant_rows`` (with ``e4m3_soft``, ``_pow2_ceil``): one group per tile
+  row; also ``QUANT_A`` of ``fp8_block_triton.mm_kernel``
   (``fp8_block_linear`` quantizing in registers).
-* ``_fp8_mode``, ``_capability``, ``_INTERPRET``, ``_bytes_view``,
+* ``_fp8_mode``, ``_capability``, ``_INTERPRET``, ``bytes_view``,
   ``_device_guard``: how fp8 is encoded and launched on a device, shared with
   the GEMM launchers.
 
@@ -110,7 +110,7 @@ def _fp8_mode(device: torch.device) -> tuple[bool, bool]:
 
 
 @triton.jit
-def _e4m3_soft(v):
+def e4m3_soft(v):
     """fp32 in [-448, 448] (or NaN) -> e4m3 bits, round to nearest even, as uint8."""
     bits = v.to(tl.uint32, bitcast=True)
     sign = (bits >> 31).to(tl.int32)
@@ -165,7 +165,7 @@ def _to_e4m3(x, s, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
     Codes are e4m3 (uint8 bits when WIDEN)."""
     y = tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     if SOFT_CVT:
-        q = _e4m3_soft(y)
+        q = e4m3_soft(y)
         if not WIDEN:
             q = q.to(tl.float8e4nv, bitcast=True)
     else:
@@ -174,7 +174,7 @@ def _to_e4m3(x, s, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "stride_sm", "stride_sg"])
-def _quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, eps,
+def quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, eps,
                   GROUP: tl.constexpr, GP: tl.constexpr, NUM_GROUPS: tl.constexpr, ROWS: tl.constexpr,
                   TOKEN_MINOR: tl.constexpr, UE8M0: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr,
                   INTERPRET: tl.constexpr):
@@ -240,7 +240,7 @@ def _device_guard(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _bytes_view(t: torch.Tensor, widen: bool) -> torch.Tensor:
+def bytes_view(t: torch.Tensor, widen: bool) -> torch.Tensor:
     """fp8 tensors travel as bytes where Triton has no e4m3 type (sm80)."""
     return t.view(torch.uint8) if widen and t.dtype == FP8_DTYPE else t
 
@@ -277,8 +277,8 @@ def per_token_group_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1
     rows, warps = quant_tile(m * g, gp, x.device) if block_rows is None else (block_rows, num_warps or 4)
     grid = (triton.cdiv(m * g, rows),)
     with _device_guard(x.device):
-        _quant_kernel[grid](
-            x, _bytes_view(q, widen), s, m, x.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
+        quant_kernel[grid](
+            x, bytes_view(q, widen), s, m, x.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
             GROUP=group_size, GP=gp, NUM_GROUPS=g, ROWS=rows,
             TOKEN_MINOR=bool(token_minor), UE8M0=bool(scale_ue8m0), SOFT_CVT=soft, WIDEN=widen,
             INTERPRET=_INTERPRET, num_warps=num_warps or warps)

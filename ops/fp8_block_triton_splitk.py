@@ -1,10 +1,10 @@
 """Split-K reduction of the fp8_block Triton GEMM (``ops/fp8_block_triton.py``).
 
-* ``_splitk_reduce_kernel``: the second launch of the two-launch split-K path:
+* ``splitk_reduce_kernel``: the second launch of the two-launch split-K path:
   sums the ``[split, M, N]`` fp32 partials in split order (+ bias), one
   rounding to the output dtype.
-* ``_tile_counters``: the per-tile counters of ``MMConfig.one_launch``, where
-  the last program of each output tile does that sum inside ``_mm_kernel``
+* ``tile_counters``: the per-tile counters of ``MMConfig.one_launch``, where
+  the last program of each output tile does that sum inside ``mm_kernel``
   (same order, same rounding: bit-identical).
 """
 
@@ -18,7 +18,7 @@ from . import fp8_block_triton_quant  # noqa: F401 - patches the interpreter bef
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
-def _splitk_reduce_kernel(ws, c, bias, M, N, stride_cm, split_k, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def splitk_reduce_kernel(ws, c, bias, M, N, stride_cm, split_k, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     total = M.to(tl.int64) * N
     mask = offs < total
@@ -32,7 +32,7 @@ def _splitk_reduce_kernel(ws, c, bias, M, N, stride_cm, split_k, HAS_BIAS: tl.co
     tl.store(c + rows * stride_cm + cols, acc.to(c.dtype.element_ty), mask=mask)
 
 
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 counters, one per output tile, for one one-launch call.
 
     Fresh per call (a memset; a memset node under CUDA-graph capture), never

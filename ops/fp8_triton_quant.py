@@ -9,15 +9,15 @@ with the reciprocal an IEEE fp32 division (``div_rn``) once per scale, clamp
 to +-448 with NaN kept, round to nearest even e4m3.
 
 * static scale (one element, or ``[M, 1]`` with ``per_token=True``): one
-  pass, ``_scaled_kernel``; the program(s) holding column 0 also copy the
+  pass, ``scaled_kernel``; the program(s) holding column 0 also copy the
   scale to the returned tensor.
-* dynamic per-token: ``_token_kernel``, one program per ``block_m`` rows: the
+* dynamic per-token: ``token_kernel``, one program per ``block_m`` rows: the
   row amax (NaN propagates), then the codes.  A row wider than ``block_k``
   is walked twice in chunks (amax, then codes; the second pass reads the rows
   back from L1/L2, not DRAM).
-* dynamic per-tensor: ``_amax_kernel`` (a persistent grid of at most
+* dynamic per-tensor: ``amax_kernel`` (a persistent grid of at most
   ``AMAX_PROGRAMS`` programs, each writing the amax of the finite ``|x|`` of
-  its tiles to a partials buffer), then ``_scaled_kernel`` in ``DYNAMIC``
+  its tiles to a partials buffer), then ``scaled_kernel`` in ``DYNAMIC``
   mode: every program reduces the partials (a max: order-free, so
   deterministic), program 0 writes the scale.  Two launches, no host sync,
   no memset.  The second pass walks the tiles backwards, so it starts on
@@ -42,13 +42,12 @@ from scaledmm.oplib import FP8_MAX
 from . import fp8 as base
 # Shared with the fp8_block quantizer: how e4m3 is encoded on a device (and
 # the interpreter patch, applied when that module is imported).
-from .fp8_block_triton_quant import (  # noqa: F401 - _INTERPRET: Q._INTERPRET in docs and tests
-    _INTERPRET,
-    _bytes_view,
+from .fp8_block_triton_quant import (
+    bytes_view,
     _capability,
     _device_gate,
     _device_guard,
-    _e4m3_soft,
+    e4m3_soft,
     _fp8_mode,
     _next_pow2,
 )
@@ -87,7 +86,8 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
     --------
     >>> import torch
     >>> from scaledmm.ops import fp8_triton_quant as Q
-    >>> Q.is_supported(torch.device("cpu"))[0] == Q._INTERPRET
+    >>> from scaledmm.device import interpreting
+    >>> Q.is_supported(torch.device("cpu"))[0] == interpreting()
     True
     """
     gate = _device_gate(device)
@@ -230,7 +230,7 @@ def _to_e4m3(x, s, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
     reciprocal); NaN stays NaN.  Codes are e4m3 (uint8 bits when WIDEN)."""
     y = tl.clamp(x * tl.math.div_rn(1.0, s), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     if SOFT_CVT:
-        q = _e4m3_soft(y)
+        q = e4m3_soft(y)
         if not WIDEN:
             q = q.to(tl.float8e4nv, bitcast=True)
     else:
@@ -239,7 +239,7 @@ def _to_e4m3(x, s, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "tiles_k", "n_tiles", "n_part", "stride_sm"])
-def _scaled_kernel(x_ptr, q_ptr, s_ptr, so_ptr, part_ptr, M, K, stride_xm, stride_sm, tiles_k, n_tiles, n_part,
+def scaled_kernel(x_ptr, q_ptr, s_ptr, so_ptr, part_ptr, M, K, stride_xm, stride_sm, tiles_k, n_tiles, n_part,
                    floor, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_SCALE: tl.constexpr,
                    DYNAMIC: tl.constexpr, NP: tl.constexpr, REVERSE: tl.constexpr,
                    SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
@@ -276,7 +276,7 @@ def _scaled_kernel(x_ptr, q_ptr, s_ptr, so_ptr, part_ptr, M, K, stride_xm, strid
 
 
 @triton.jit(do_not_specialize=["M", "tiles_k", "n_tiles"])
-def _amax_kernel(x_ptr, part_ptr, M, K, stride_xm, tiles_k, n_tiles,
+def amax_kernel(x_ptr, part_ptr, M, K, stride_xm, tiles_k, n_tiles,
                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Per-tensor pass 1: program p writes max |x| over the finite elements
     of tiles p, p + P, p + 2P, ... (P programs) to ``part_ptr[p]``."""
@@ -301,7 +301,7 @@ def _row_amax(ax):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _token_kernel(x_ptr, q_ptr, so_ptr, M, K, stride_xm, floor, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+def token_kernel(x_ptr, q_ptr, so_ptr, M, K, stride_xm, floor, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                   ONE_PASS: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
     """Dynamic per-token: rows ``[pid * BLOCK_M, +BLOCK_M)``, their scales
     ``max(amax, floor) / 448`` and codes."""
@@ -334,7 +334,15 @@ def _token_kernel(x_ptr, q_ptr, so_ptr, M, K, stride_xm, floor, BLOCK_M: tl.cons
 # ----------------------------------------------------------------------------
 
 
-def _mode(scale: torch.Tensor | None, per_token: bool) -> str:
+def quant_mode(scale: torch.Tensor | None, per_token: bool) -> str:
+    """The quantization mode of a ``quant_fp8`` call: ``static`` when a scale
+    is given, else ``per_token`` or ``per_tensor``.
+
+    Examples
+    --------
+    >>> quant_mode(None, per_token=True)
+    'per_token'
+    """
     return STATIC if scale is not None else (PER_TOKEN if per_token else PER_TENSOR)
 
 
@@ -374,18 +382,18 @@ def quant(x: torch.Tensor, scale: torch.Tensor | None = None, per_token: bool = 
     m, k = x.shape
     if m == 0 or k == 0:  # nothing to encode; the scale still follows the reference (torch ops, no sync)
         return base.reference_quant(x, scale, per_token)
-    mode = _mode(scale, per_token)
+    mode = quant_mode(scale, per_token)
     cfg = config or default_config(mode, m, k)
     ok, why = config_ok(cfg)
     if not ok:
         raise ValueError(f"quant_fp8: config: expected a valid QuantConfig, got {cfg.label()} ({why})")
     soft, widen = _fp8_mode(x.device)
-    qv = _bytes_view(q, widen)
+    qv = bytes_view(q, widen)
     bm, bk, nw = cfg.block_m, cfg.block_k, cfg.num_warps
     floor = float(base.AMAX_FLOOR)
     with _device_guard(x.device):
         if mode == PER_TOKEN:
-            _token_kernel[(triton.cdiv(m, bm),)](
+            token_kernel[(triton.cdiv(m, bm),)](
                 x, qv, s_out, m, k, x.stride(0), floor, BLOCK_M=bm, BLOCK_K=bk, ONE_PASS=k <= bk,
                 SOFT_CVT=soft, WIDEN=widen, num_warps=nw)
             return q, s_out
@@ -393,16 +401,16 @@ def quant(x: torch.Tensor, scale: torch.Tensor | None = None, per_token: bool = 
         n_tiles = triton.cdiv(m, bm) * tiles_k
         if mode == STATIC:
             row = bool(per_token)
-            _scaled_kernel[(n_tiles,)](
+            scaled_kernel[(n_tiles,)](
                 x, qv, scale, s_out, s_out, m, k, x.stride(0), scale.stride(0) if row else 0, tiles_k, n_tiles, 0,
                 floor, BLOCK_M=bm, BLOCK_K=bk, ROW_SCALE=row, DYNAMIC=False, NP=1, REVERSE=False,
                 SOFT_CVT=soft, WIDEN=widen, num_warps=nw)
             return q, s_out
         n_part = min(n_tiles, AMAX_PROGRAMS)
         part = torch.empty(n_part, dtype=torch.float32, device=x.device)
-        _amax_kernel[(n_part,)](x, part, m, k, x.stride(0), tiles_k, n_tiles, BLOCK_M=bm, BLOCK_K=bk,
+        amax_kernel[(n_part,)](x, part, m, k, x.stride(0), tiles_k, n_tiles, BLOCK_M=bm, BLOCK_K=bk,
                                 num_warps=nw)
-        _scaled_kernel[(n_tiles,)](
+        scaled_kernel[(n_tiles,)](
             x, qv, s_out, s_out, part, m, k, x.stride(0), 0, tiles_k, n_tiles, n_part, floor,
             BLOCK_M=bm, BLOCK_K=bk, ROW_SCALE=False, DYNAMIC=True, NP=_next_pow2(AMAX_PROGRAMS),
             REVERSE=bool(reverse),

@@ -73,7 +73,14 @@ OPS = ("nvfp4_mm", "nvfp4_w4a16_mm")
 # ----------------------------------------------------------------------------
 
 
-def _has_mm_dtype() -> bool:
+def has_mm_dtype() -> bool:
+    """Whether this torch has ``aten::mm.dtype`` (fp32 output of 16-bit GEMMs, torch >= 2.8).
+
+    Examples
+    --------
+    >>> isinstance(has_mm_dtype(), bool)
+    True
+    """
     return hasattr(torch.ops.aten.mm, "dtype")
 
 
@@ -91,7 +98,7 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
     ok, why = nt.is_supported(device)
     if not ok:
         return False, why
-    if device.type == "cuda" and not _has_mm_dtype():
+    if device.type == "cuda" and not has_mm_dtype():
         return False, f"needs aten::mm.dtype (fp32 output of 16-bit cuBLAS GEMMs, torch >= 2.8), torch {torch.__version__}"
     where = "fp32 matmul (interpreter)" if device.type == "cpu" else "cuBLAS mm with fp32 output"
     return True, f"Triton exact decode to 16 bits + {where} + Triton epilogue"

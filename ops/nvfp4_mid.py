@@ -67,7 +67,14 @@ SMEM_MAX = 227 * 1024
 # ----------------------------------------------------------------------------
 
 
-def _source() -> Path:
+def source_path() -> Path:
+    """The kernel source, in the repo (editable install) or the installed package.
+
+    Examples
+    --------
+    >>> source_path().suffix
+    '.cu'
+    """
     return jit._package_csrc() / SOURCE
 
 
@@ -283,7 +290,7 @@ def kernel_spec(n: int, k: int, m_bucket: int, cfg: MidConfig, out_dtype: torch.
     ok, why = config_valid(cfg, n, k, m_bucket, act_dtype != torch.uint8)
     if not ok:
         raise ValueError(f"cfg: expected a valid config for N={n}, K={k}, M bucket {m_bucket}, got {cfg}: {why}")
-    return jit.NvrtcKernelSpec(KERNEL, _source(), arch=ARCH,
+    return jit.NvrtcKernelSpec(KERNEL, source_path(), arch=ARCH,
                                defines=cfg.defines(n, k, m_bucket, out_dtype, bias_dtype, act_dtype))
 
 

@@ -178,9 +178,9 @@ def _ptx_decoder(kind: str) -> str:
     return "\n".join(body + ["}"])
 
 
-_PTX_F16 = tl.constexpr(_ptx_decoder("f16"))
-_PTX_BF16 = tl.constexpr(_ptx_decoder("bf16"))
-_PTX_BF16_DIRECT = tl.constexpr(_ptx_decoder("bf16_direct"))
+PTX_F16 = tl.constexpr(_ptx_decoder("f16"))
+PTX_BF16 = tl.constexpr(_ptx_decoder("bf16"))
+PTX_BF16_DIRECT = tl.constexpr(_ptx_decoder("bf16_direct"))
 
 # Decoder selection (constexpr DECODE of the kernels) and the power of two
 # each one leaves on a decoded value (undone in the epilogue).
@@ -206,13 +206,13 @@ def _decode_ptx(packed, scale2, DTYPE: tl.constexpr, DIRECT: tl.constexpr):
     conversion above the decoder (it would then gather single bytes)."""
     if DTYPE == tl.bfloat16:
         if DIRECT:
-            pair = tl.inline_asm_elementwise(_PTX_BF16_DIRECT, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale2],
+            pair = tl.inline_asm_elementwise(PTX_BF16_DIRECT, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale2],
                                              dtype=tl.int32, is_pure=False, pack=4)
         else:
-            pair = tl.inline_asm_elementwise(_PTX_BF16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale2],
+            pair = tl.inline_asm_elementwise(PTX_BF16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale2],
                                              dtype=tl.int32, is_pure=False, pack=4)
     else:
-        pair = tl.inline_asm_elementwise(_PTX_F16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale2],
+        pair = tl.inline_asm_elementwise(PTX_F16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale2],
                                          dtype=tl.int32, is_pure=False, pack=4)
     lo = (pair & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
     hi = (pair >> 16).to(tl.int16).to(DTYPE, bitcast=True)
@@ -441,21 +441,35 @@ MIN_STEPS_PER_SPLIT = 2
 MAX_SPLIT = 16
 
 
-def _sm_count(device: torch.device) -> int:
-    return _device.sm_count(device, cpu=8)  # 8 "SMs" on the CPU: small interpreter grids
+def grid_sms(device: torch.device) -> int:
+    """The SM count the split-K rule sizes grids for: the device's, 8 on the
+    CPU (small interpreter grids).
+
+    Examples
+    --------
+    >>> grid_sms(torch.device("cpu"))
+    8
+    """
+    return _device.sm_count(device, cpu=8)
 
 
-def _split_for(cfg: GemmConfig, m: int, n: int, k: int, device: torch.device,
-               ctas_per_sm: int = CTAS_PER_SM) -> int:
+def split_for(cfg: GemmConfig, m: int, n: int, k: int, device: torch.device,
+              ctas_per_sm: int = CTAS_PER_SM) -> int:
     """Deterministic split-K: double it while the grid has fewer than
     ``ctas_per_sm`` CTAs per SM and each split keeps >= MIN_STEPS_PER_SPLIT
-    K steps (small M is latency bound: it needs many resident warps)."""
+    K steps (small M is latency bound: it needs many resident warps).
+
+    Examples
+    --------
+    >>> split_for(GemmConfig(16, 16, 64), 1, 64, 4096, torch.device("cpu")) >= 1
+    True
+    """
     if cfg.predecode_w:
         return 1
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(max(m, 1), cfg.block_m)
     steps = triton.cdiv(k, cfg.block_k)
     split = 1
-    while (tiles * split < ctas_per_sm * _sm_count(device)
+    while (tiles * split < ctas_per_sm * grid_sms(device)
            and steps // (split * 2) >= MIN_STEPS_PER_SPLIT and split < MAX_SPLIT):
         split *= 2
     return split
@@ -475,13 +489,13 @@ def default_config(p: Problem) -> GemmConfig:
     cfg = _portable(bucket_config(p), p)
     if cfg.predecode_w and not config_ok(cfg, p)[0]:  # fp32 output: the kernel
         cfg = dataclasses.replace(cfg, predecode_w=False)
-    split = _split_for(cfg, p.m, p.n, p.k, p.device)
+    split = split_for(cfg, p.m, p.n, p.k, p.device)
     if m_bucket(p.m) == 1 and not p.opt("w4a16"):
         # Measured on the H200 (llama8b): half the split (>= 2) is 10-20 %
         # faster at M 33-64, and with >= 2 weight tiles per SM decoding the
         # activation once (predecode_x) another 13 %
         split = split // 2 if split >= 4 else split
-        if -(-p.n // cfg.block_n) >= 2 * _sm_count(p.device):
+        if -(-p.n // cfg.block_n) >= 2 * grid_sms(p.device):
             cfg = dataclasses.replace(cfg, predecode_x=True)
     cfg = dataclasses.replace(cfg, split_k=split)
     ok, why = config_ok(cfg, p)
@@ -497,7 +511,7 @@ def candidate_configs(p: Problem) -> list[GemmConfig]:
     out = []
     for bn, bk, w, st in ((64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3), (64, 128, 4, 5),
                           (128, 64, 8, 4), (32, 512, 4, 3), (256, 64, 8, 3)):
-        for split in sorted({1, _split_for(GemmConfig(bn, bm, bk), p.m, p.n, p.k, p.device)}):
+        for split in sorted({1, split_for(GemmConfig(bn, bm, bk), p.m, p.n, p.k, p.device)}):
             out.append(_portable(GemmConfig(bn, bm, bk, split, w, st), p))
     if not p.opt("w4a16") and b >= 2:
         out += [dataclasses.replace(c, predecode_x=True) for c in list(out)]
@@ -507,7 +521,7 @@ def candidate_configs(p: Problem) -> list[GemmConfig]:
     return [c for c in uniq if config_ok(c, p)[0]]
 
 
-_TUNED: dict[tuple, GemmConfig] = {}
+AUTOTUNED: dict[tuple, GemmConfig] = {}
 
 
 def _autotune_key(op: str, p: Problem) -> tuple:
@@ -518,8 +532,8 @@ def select_config(op: str, p: Problem, bench: Callable[[GemmConfig], float] | No
     """Config for one call: a tuned one when ``SCALEDMM_NVFP4_TRITON_AUTOTUNE=1``
     (tuned on first use outside CUDA-graph capture), else the bucket default."""
     key = _autotune_key(op, p)
-    if key in _TUNED:
-        return _TUNED[key]
+    if key in AUTOTUNED:
+        return AUTOTUNED[key]
     tune = env.nvfp4_triton_autotune()
     if (not tune or bench is None or p.device.type != "cuda"
             or torch.cuda.is_current_stream_capturing()):
@@ -531,7 +545,7 @@ def select_config(op: str, p: Problem, bench: Callable[[GemmConfig], float] | No
         except Exception:  # a config that fails to compile (resources) is skipped
             continue
     best = min(timings)[2] if timings else default_config(p)
-    _TUNED[key] = best
+    AUTOTUNED[key] = best
     return best
 
 
@@ -678,13 +692,19 @@ def _predecoded_linear(x16: torch.Tensor, w, w_s, factor, bias, out_dtype) -> to
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 split-K counters, one per output tile, for one launch.
 
     Fresh per call (a memset; a memset node under CUDA-graph capture), never
     cached: memory an op kept would come from a CUDA-graph pool when its first
     call is Inductor's warm-up, and a cached buffer would be shared by every
-    graph that captured it, racing when two of them replay at once."""
+    graph that captured it, racing when two of them replay at once.
+
+    Examples
+    --------
+    >>> tile_counters(torch.device("cpu"), 3).tolist()
+    [0, 0, 0]
+    """
     return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
@@ -710,7 +730,7 @@ def _launch(w, w_s, x, x_s, alpha, bias, out_dtype, cfg: GemmConfig, x_fp4: bool
     num_n = triton.cdiv(n, cfg.block_n)
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=w.device)
-        lock = _tile_counters(w.device, num_n * num_m)
+        lock = tile_counters(w.device, num_n * num_m)
     else:
         part = lock = out  # unused
     _gemm_kernel[(num_n * num_m, split)](

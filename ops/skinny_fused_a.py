@@ -53,8 +53,15 @@ M_BUCKETS = (8, 16)
 # ----------------------------------------------------------------------------
 
 
-def _source(file: str) -> Path:
-    """A kernel source, in the repo (editable install) or the installed package."""
+def source_path(file: str) -> Path:
+    """A kernel source, in the repo (editable install) or the installed package.
+
+    Examples
+    --------
+    >>> from scaledmm.ops import skinny_fused_a as fa
+    >>> fa.source_path("dsv3_fused_a_gemm.cu").name
+    'dsv3_fused_a_gemm.cu'
+    """
     return jit._package_csrc() / file
 
 
@@ -476,7 +483,7 @@ def kernel_spec(n: int, k: int, m_bucket: int, cfg: Config) -> jit.NvrtcKernelSp
     ok, why = config_valid(cfg, n, k, m_bucket)
     if not ok:
         raise ValueError(f"cfg: expected a valid config for N={n}, K={k}, M bucket {m_bucket}, got {cfg}: {why}")
-    return jit.NvrtcKernelSpec(cfg.kernel, _source(cfg.source), arch=ARCH, defines=cfg.defines(n, k, m_bucket))
+    return jit.NvrtcKernelSpec(cfg.kernel, source_path(cfg.source), arch=ARCH, defines=cfg.defines(n, k, m_bucket))
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, enable_pdl: bool = False,

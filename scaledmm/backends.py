@@ -71,6 +71,9 @@ __all__ = [
     "auto_order",
     "requested",
     "family_ops",
+    "invalidate",
+    "supported_on",
+    "switch_line",
 ]
 
 
@@ -217,7 +220,7 @@ class Backend:
         return fn(*args)
 
     def check(self, problem: Problem) -> tuple[bool, str]:
-        ok, why = _supported_cached(self, problem.device)
+        ok, why = supported_on(self, problem.device)
         if not ok:
             return False, why
         return self.can_implement(problem)
@@ -250,14 +253,14 @@ def register(backend: Backend) -> Backend:
     >>> backends.unregister("fp8", "mine")
     """
     _REGISTRY[backend.family][backend.name] = backend
-    _invalidate()
+    invalidate()
     return backend
 
 
 def unregister(family: Family | str, name: str) -> None:
     """Remove a backend (tests use this to plant a broken provider)."""
     _REGISTRY[Family.parse(family)].pop(name, None)
-    _invalidate()
+    invalidate()
 
 
 def names(family: Family | str) -> list[str]:
@@ -292,7 +295,16 @@ def get(family: Family | str, name: str) -> Backend:
 
 
 @functools.lru_cache(maxsize=None)
-def _supported_cached(backend: Backend, device: torch.device) -> tuple[bool, str]:
+def supported_on(backend: Backend, device: torch.device) -> tuple[bool, str]:
+    """``backend.is_supported(device)``, cached per (backend, device); a probe
+    that raises counts as unsupported.  Selection and :func:`report` ask it,
+    so patching it simulates a device (tests, ``benchmarks.selections``).
+
+    Examples
+    --------
+    >>> supported_on(get("fp8", "reference"), torch.device("cpu"))[0]
+    True
+    """
     try:
         return backend.is_supported(device)
     except Exception as e:  # a probe must never take the op down
@@ -392,7 +404,7 @@ def set_priority(family: Family | str, arch: str, order: list[str]) -> None:
     """
     fam = Family.parse(family)
     _policies.replace(fam.value, arch, _entry(fam, arch), order=list(order))
-    _invalidate()
+    invalidate()
 
 
 def set_auto_table(family: Family | str, arch: str, table: dict) -> None:
@@ -414,7 +426,7 @@ def set_auto_table(family: Family | str, arch: str, table: dict) -> None:
     shapes = {f"{int(n)}x{int(k)}": sorted([int(mm), list(order)] for mm, order in rows)
               for (n, k), rows in table.items()}
     _policies.replace(fam.value, arch, _entry(fam, arch), shapes=shapes)
-    _invalidate()
+    invalidate()
 
 
 def load_auto_table(family: Family | str, path) -> None:
@@ -466,7 +478,7 @@ def override_policy(family: Family | str, arch: str, *, order: list[str] | None 
         fields["shapes"] = {f"{int(n)}x{int(k)}": sorted([int(mm), list(o)] for mm, o in rows)
                             for (n, k), rows in shapes.items()}
     new = _policies.replace(fam.value, arch, _entry(fam, arch), **fields)
-    _invalidate()
+    invalidate()
     try:
         yield new
     finally:
@@ -474,7 +486,7 @@ def override_policy(family: Family | str, arch: str, *, order: list[str] | None 
             live[arch] = old
         else:
             live.pop(arch, None)
-        _invalidate()
+        invalidate()
 
 
 @contextlib.contextmanager
@@ -493,7 +505,7 @@ def policy_snapshot() -> Iterator[None]:
         yield
     finally:
         _policies.restore(saved)
-        _invalidate()
+        invalidate()
 
 
 def auto_order(problem: Problem, table_m: int | None = None) -> list[str]:
@@ -612,8 +624,18 @@ _SELECTIONS: dict[tuple, Backend] = {}
 _SELECTIONS_MAX = 4096
 
 
-def _invalidate() -> None:
-    _supported_cached.cache_clear()
+def invalidate() -> None:
+    """Forget cached selections, support probes and switch values.
+
+    The registry and policy functions call it themselves; a test that
+    patches what they cannot see (a probe, an environment variable read
+    by a switch) calls it too.
+
+    Examples
+    --------
+    >>> invalidate()
+    """
+    supported_on.cache_clear()
     _SELECTIONS.clear()
     _SWITCH_VARS.clear()
 
@@ -734,8 +756,14 @@ def _request_line(fam: Family) -> str:
     return line
 
 
-def _switch_line(pol: Policy) -> str:
-    """The policy's switches and their state, for :func:`report`."""
+def switch_line(pol: Policy) -> str:
+    """The policy's switches and their state, as :func:`report` prints them.
+
+    Examples
+    --------
+    >>> switch_line(policy("fp8_block", "cpu"))  # no switches
+    ''
+    """
     if not pol.switches:
         return ""
     parts = []
@@ -777,10 +805,10 @@ def report(file: Any = None) -> str:
                 out.write(f"  {fam.value}: POLICY ERROR {e}\n")
                 continue
             order = [b for b in pol.order if pol.enabled(b)]
-            out.write(f"  {fam.value}: auto order {order} ({pol.source}{_switch_line(pol)}); "
+            out.write(f"  {fam.value}: auto order {order} ({pol.source}{switch_line(pol)}); "
                       f"{_request_line(fam)}\n")
             for name, backend in _REGISTRY[fam].items():
-                ok, why = _supported_cached(backend, dev)
+                ok, why = supported_on(backend, dev)
                 mark = "yes" if ok else "no "
                 ops = ",".join(sorted(backend.impls))
                 out.write(f"    [{mark}] {name:<20} {why}  (ops: {ops})\n")

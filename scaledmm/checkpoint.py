@@ -83,9 +83,20 @@ class _DictSource:
         return self._t[name]
 
 
-class _SafetensorsFolder:
+class SafetensorsFolder:
     """Tensors of the ``*.safetensors`` files of a folder (through
-    ``model.safetensors.index.json`` when there is one), read on demand."""
+    ``model.safetensors.index.json`` when there is one), read on demand.
+
+    Examples
+    --------
+    >>> import tempfile, torch
+    >>> from safetensors.torch import save_file
+    >>> folder = tempfile.mkdtemp()
+    >>> save_file({"w": torch.ones(2, 3)}, folder + "/model.safetensors")
+    >>> src = SafetensorsFolder(folder)
+    >>> sorted(src.names), src.shape("w"), src.get("w").sum().item()
+    (['w'], (2, 3), 6.0)
+    """
 
     def __init__(self, path: str):
         self.path = path
@@ -156,11 +167,11 @@ def _read_config(path: str) -> dict | None:
     return None
 
 
-def _open(checkpoint) -> "_DictSource | _SafetensorsFolder":
+def _open(checkpoint) -> "_DictSource | SafetensorsFolder":
     if isinstance(checkpoint, Mapping):
         return _DictSource(checkpoint)
     if isinstance(checkpoint, (str, os.PathLike)) and os.path.isdir(checkpoint):
-        return _SafetensorsFolder(os.fspath(checkpoint))
+        return SafetensorsFolder(os.fspath(checkpoint))
     _fail("checkpoint", "a folder of *.safetensors or a dict of name -> Tensor", repr(checkpoint))
 
 

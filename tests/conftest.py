@@ -30,7 +30,7 @@ def fake_sm90(monkeypatch):
     monkeypatch.setattr(backends, "arch_key", lambda d: "sm90" if d.type == "cuda" else d.type)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(jit, "nvrtc_available", lambda: (True, "stub"))
-    monkeypatch.setattr(jit, "_driver", lambda: None)
+    monkeypatch.setattr(jit, "cuda_driver", lambda: None)
     monkeypatch.delenv("SCALEDMM_NVFP4_BACKEND", raising=False)
     for var in backends.policy("nvfp4", "sm90").switches.values():
         monkeypatch.delenv(var, raising=False)

@@ -339,7 +339,7 @@ def test_compressed_tensors_block_strategy(tmp_path):
 def test_safetensors_reader_matches_the_library(tmp_path):
     from safetensors import safe_open
 
-    from scaledmm.checkpoint import _SafetensorsFolder
+    from scaledmm.checkpoint import SafetensorsFolder
 
     tensors = {"bf16": torch.randn(3, 5, dtype=torch.bfloat16), "f16": torch.randn(7, dtype=torch.float16),
                "f32": torch.randn(2, 2, 2), "f64": torch.randn(4, dtype=torch.float64),
@@ -347,7 +347,7 @@ def test_safetensors_reader_matches_the_library(tmp_path):
                "u8": torch.randint(0, 255, (33,), dtype=torch.uint8), "i64": torch.arange(-3, 5),
                "bool": torch.rand(6) > 0.5, "scalar": torch.tensor(0.125), "empty": torch.empty(0, 4)}
     path = write_checkpoint(str(tmp_path / "r"), tensors, None, shards=2)
-    src = _SafetensorsFolder(path)
+    src = SafetensorsFolder(path)
     assert src.names == set(tensors)
     index = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
     for name, t in tensors.items():

@@ -114,7 +114,7 @@ def test_jit_no_build_rule(monkeypatch, value, no_build):
     else:
         monkeypatch.setenv(env.JIT_NO_BUILD, value)
     assert env.jit_no_build() is no_build
-    assert scaledmm.jit.core._no_build() is no_build  # the JIT reads it through env
+    assert scaledmm.jit.core.no_build() is no_build  # the JIT reads it through env
 
 
 @pytest.mark.parametrize("value", [None, "", "0", "1", "true", " 1", "yes"])
@@ -231,7 +231,7 @@ def test_ops_use_device_facts():
     assert nvfp4_gemv.NUM_SMS_H200 == nvfp4_mid.NUM_SMS_H200 == skinny_fused_a.NUM_SMS_H200 == device.NUM_SMS_H200
     for mod in (nvfp4_gemv, skinny_fused_a):
         assert not hasattr(mod, "num_sms")  # one SM-count helper: scaledmm.device.sm_count
-    assert nvfp4_triton._sm_count(torch.device("cpu")) == 8
+    assert nvfp4_triton.grid_sms(torch.device("cpu")) == 8
 
 
 @pytest.mark.parametrize("mod", [env, device], ids=["env", "device"])

@@ -275,22 +275,22 @@ def test_cache_key_ignores_the_header_path(tmp_path, monkeypatch):
     assert moved.key == spec.key
     monkeypatch.setenv(C.ENV_CUTLASS_INCLUDE, str(tmp_path))  # no headers there; and none installed:
     monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: None)
-    C._cutlass_include.cache_clear()
+    C.cutlass_include.cache_clear()
     absent = C.library_spec(MMAJOR)
     assert absent.include_dirs == () and C.cutlass_include_dir() is None
-    assert C.cutlass_version() == C.PINNED_CUTLASS_VERSION == C._header_version(inc)
+    assert C.cutlass_version() == C.PINNED_CUTLASS_VERSION == C.header_version(inc)
     assert absent.key == spec.key  # pre-built libraries are found without the headers
     monkeypatch.setattr(jit, "nvcc_path", lambda: None)
-    assert C._nvcc_release(None) == C.PINNED_NVCC_RELEASE
+    assert C.nvcc_release(None) == C.PINNED_NVCC_RELEASE
     assert C.library_spec(MMAJOR).key == spec.key  # ... and without nvcc
-    C._cutlass_include.cache_clear()
+    C.cutlass_include.cache_clear()
     assert C.library_spec(MMAJOR, torch.float16).key != spec.key
     assert C.library_spec(C.CONFIGS["coop128x128_c1x1"]).key != spec.key
 
 
 def test_prebuild_hook_lists_specs():
-    assert "fp8-block-cutlass" in jit._PREBUILD
-    specs_for = jit._PREBUILD["fp8-block-cutlass"][0]
+    assert "fp8-block-cutlass" in jit.PREBUILD
+    specs_for = jit.PREBUILD["fp8-block-cutlass"][0]
     table = specs_for("table")
     assert {s.name for s in table} == {C.library_spec(r.config).name for r in C.TABLE}
     assert len(specs_for("all:bf16,fp16")) == 2 * len(C.CONFIGS)
@@ -317,11 +317,11 @@ def test_nvcc_build_and_abi(tmp_path, monkeypatch):
     assert int(desc["stages"]) >= 2 and int(desc["smem"]) <= 232448
     # argument errors come back as codes + messages, before any CUDA call
     err = ctypes.create_string_buffer(256)
-    args = C._Args()
+    args = C.Args()
     args.abi_version = C.ABI_VERSION + 1
-    assert lib._lib.smm_run(ctypes.byref(args), err, 256) == 1 and b"ABI" in err.value
+    assert lib.cdll.smm_run(ctypes.byref(args), err, 256) == 1 and b"ABI" in err.value
     args.abi_version = C.ABI_VERSION
-    assert lib._lib.smm_workspace_size(ctypes.byref(args), err, 256) == -1 and b"M, N, K > 0" in err.value
+    assert lib.cdll.smm_workspace_size(ctypes.byref(args), err, 256) == -1 and b"M, N, K > 0" in err.value
 
 
 # --------------------------------------------------------------------------

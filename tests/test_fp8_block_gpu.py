@@ -157,10 +157,10 @@ def test_padded_op_views_the_quantizers_spare_rows(name, m):
     raw[q.numel():].fill_(0x7F)  # NaN codes in the spare rows: must not leak into rows < M
     with pytest.MonkeyPatch.context() as mp_:
         mp_.setitem(backends.get("fp8_block", name).impls, "fp8_block_mm", spy)
-        backends._invalidate()
+        backends.invalidate()
         out = run_backend(name, q, b, s, bs)
         out_tight = run_backend(name, q.clone(), b, s, bs)
-    backends._invalidate()
+    backends.invalidate()
     assert seen[0] == q.data_ptr() and seen[1] != q.data_ptr() and mp > m
     assert not out.isnan().any()
     assert rel_err(out, ref64(q, s, b64)) < 4e-3

@@ -65,12 +65,12 @@ if INNER is None:
         a = torch.empty(8, 640, dtype=torch.float8_e4m3fn)
         b = torch.empty(256, 640, dtype=torch.float8_e4m3fn)
         p = base.problem(a, b, (128, 128), torch.bfloat16, True)
-        assert base._cublas_can_implement(p)[0] == (base._scaled_mm_v2() is not None)
-        monkeypatch.setattr(base, "_scaled_mm_v2", lambda: None)
-        ok, why = base._cublas_can_implement(p)
+        assert base.cublas_can_implement(p)[0] == (base.scaled_mm_v2() is not None)
+        monkeypatch.setattr(base, "scaled_mm_v2", lambda: None)
+        ok, why = base.cublas_can_implement(p)
         assert not ok and "multiple of 4" in why
         b2 = torch.empty(128, 640, dtype=torch.float8_e4m3fn)  # N <= 128: v1 is exact
-        assert base._cublas_can_implement(base.problem(a, b2, (128, 128), torch.bfloat16, True))[0]
+        assert base.cublas_can_implement(base.problem(a, b2, (128, 128), torch.bfloat16, True))[0]
 
 
 # ============================================================================
@@ -85,6 +85,7 @@ def _codegen_main() -> None:
     from helpers import OfflineDriver
     from helpers import cubin_usage as usage
     from scaledmm.ops import fp8_block_triton as T
+    from scaledmm.ops import fp8_block_triton_quant as ft
 
     def build(cfg, m, n, k, fused, soft, widen):
         split = cfg.split_k > 1
@@ -93,9 +94,9 @@ def _codegen_main() -> None:
         out = torch.empty(m, n, dtype=torch.bfloat16)
         sa = torch.empty(m, math.ceil(k / 128))
         sb = torch.empty(math.ceil(n / 128), math.ceil(k / 128))
-        a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, 128]) if cfg.tma else T._bytes_view(a, widen)
-        b_arg = TensorDescriptor.from_tensor(b, [cfg.block_n, 128]) if cfg.tma else T._bytes_view(b, widen)
-        return T._mm_kernel.warmup(
+        a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, 128]) if cfg.tma else ft.bytes_view(a, widen)
+        b_arg = TensorDescriptor.from_tensor(b, [cfg.block_n, 128]) if cfg.tma else ft.bytes_view(b, widen)
+        return T.mm_kernel.warmup(
             a_arg, b_arg, out, out, out if fused else sa, sb, out, torch.empty(8, dtype=torch.int32), m, n, k,
             cfg.split_k, a.stride(0), b.stride(0),
             out.stride(0), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), 1e-10,
@@ -108,7 +109,7 @@ def _codegen_main() -> None:
     failures = []
     for cap in (90, 89, 80, 100):
         driver.set_active(OfflineDriver(cap))
-        T._mm_kernel.device_caches.clear()  # binders remember the target per device id
+        T.mm_kernel.device_caches.clear()  # binders remember the target per device id
         soft, widen = cap < 90, cap < 89
         cfgs = [(T.default_config(m, n, k, 132, fused, cap >= 90), m, n, k, fused)
                 for m, n, k in ((1, 2112, 7168), (33, 576, 7168), (100, 24576, 1536), (300, 7168, 2048),
@@ -144,8 +145,8 @@ def _codegen_main() -> None:
             failures += [f"{line}: missing {what}" for what, ok in want if not ok]
         for ue8m0 in (False, True):  # the quantizer: exact division, RNE e4m3 conversion
             x = torch.empty(64, 512, dtype=torch.bfloat16)
-            q = T._bytes_view(torch.empty(64, 512, dtype=torch.float8_e4m3fn), widen)
-            kern = T._quant_kernel.warmup(
+            q = ft.bytes_view(torch.empty(64, 512, dtype=torch.float8_e4m3fn), widen)
+            kern = ft.quant_kernel.warmup(
                 x, q, torch.empty(64, 4), 64, 512, 512, 4, 1, 1e-10, GROUP=128, GP=128,
                 NUM_GROUPS=4, ROWS=16, TOKEN_MINOR=False, UE8M0=ue8m0, SOFT_CVT=soft, WIDEN=widen, INTERPRET=False, num_warps=4, grid=(1,))
             ptx = kern.asm["ptx"]
@@ -159,10 +160,10 @@ def _codegen_main() -> None:
                 want.append(("cvt e4m3 RNE", "cvt.rn.satfinite.e4m3x2.f32" in ptx))
                 want.append(("16-byte loads", want_vec))
             failures += [f"{line}: missing {what}" for what, ok in want if not ok]
-        T._quant_kernel.device_caches.clear()
+        ft.quant_kernel.device_caches.clear()
         ws, out = torch.empty(4, 3, 2112), torch.empty(3, 2112, dtype=torch.bfloat16)
-        T._splitk_reduce_kernel.warmup(ws, out, out, 3, 2112, 2112, 4, HAS_BIAS=True, BLOCK=1024, grid=(1,))
-        T._splitk_reduce_kernel.device_caches.clear()
+        T.splitk_reduce_kernel.warmup(ws, out, out, 3, 2112, 2112, 4, HAS_BIAS=True, BLOCK=1024, grid=(1,))
+        T.splitk_reduce_kernel.device_caches.clear()
     print("\n".join(failures) if failures else "codegen ok")
 
 
@@ -181,11 +182,13 @@ if INNER == "interpret":
 
     import scaledmm
     from helpers import FP8, opcheck, poison_, rel_err
+    from scaledmm.device import interpreting
     from scaledmm.ops import fp8_block as base
     from scaledmm.ops import fp8_block_triton as T
+    from scaledmm.ops import fp8_block_triton_quant as ft
 
     pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN/Inf casts in the interpreter
-    assert T._INTERPRET, "child must import triton with TRITON_INTERPRET=1"
+    assert interpreting(), "child must import triton with TRITON_INTERPRET=1"
 
     @pytest.fixture(autouse=True)
     def poisoned_outputs(monkeypatch):
@@ -292,7 +295,7 @@ if INNER == "interpret":
         @triton.jit
         def enc(x_ptr, q_ptr, N: tl.constexpr):
             offs = tl.arange(0, N)
-            tl.store(q_ptr + offs, T._e4m3_soft(tl.load(x_ptr + offs)))
+            tl.store(q_ptr + offs, ft.e4m3_soft(tl.load(x_ptr + offs)))
 
         codes = torch.arange(256, dtype=torch.uint8).view(FP8).float()
         finite = codes[~codes.isnan()]
@@ -313,7 +316,7 @@ if INNER == "interpret":
         @triton.jit
         def widen(q_ptr, y_ptr):
             offs = tl.arange(0, 256)
-            tl.store(y_ptr + offs, T._fp16_from_e4m3(tl.load(q_ptr + offs)).to(tl.float32))
+            tl.store(y_ptr + offs, T.fp16_from_e4m3(tl.load(q_ptr + offs)).to(tl.float32))
 
         q = torch.arange(256, dtype=torch.uint8)
         y = torch.empty(256)
@@ -437,8 +440,8 @@ if INNER == "interpret":
             handed.append((tiles, t.dtype, t.clone()))
             return t
 
-        real = T._tile_counters
-        monkeypatch.setattr(T, "_tile_counters", spy)
+        real = T.tile_counters
+        monkeypatch.setattr(T, "tile_counters", spy)
         for m in (17, 3):
             a, b, sa, sb = inputs(m, 130, 384)
             got = T.mm(a, b, sa, sb, torch.float32, cfg)
@@ -450,7 +453,7 @@ if INNER == "interpret":
                 if isinstance(v, torch.Tensor) or (isinstance(v, dict) and any(
                     isinstance(x, torch.Tensor) for x in v.values()))]
         assert not held, held
-        monkeypatch.setattr(T, "_tile_counters", lambda device, tiles: torch.full((tiles,), 3, dtype=torch.int32))
+        monkeypatch.setattr(T, "tile_counters", lambda device, tiles: torch.full((tiles,), 3, dtype=torch.int32))
         assert T.mm(a, b, sa, sb, torch.float32, cfg).isnan().all()
 
     def test_one_launch_config_space():
@@ -489,7 +492,7 @@ if INNER == "interpret":
         for cfg in (T.MMConfig(16, 64, split_k=3, swap_ab=True), T.MMConfig(32, 64), T.default_config(m, n, k)):
             fused = T.linear(x, b, sb, out_dtype, bv, cfg, fuse=True)
             q, s = T.per_token_group_quant(x, 128)
-            two_step = T._run_mm(q, b, s, sb, torch.float32, None, cfg, quant_a=False)
+            two_step = T.run_mm(q, b, s, sb, torch.float32, None, cfg, quant_a=False)
             if bv is not None:
                 two_step = two_step + bv.float()
             # (the interpreter truncates fp32 -> bf16; the GPU test checks bf16 bit for bit)

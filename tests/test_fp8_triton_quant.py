@@ -40,6 +40,7 @@ pytest.importorskip("triton")
 import scaledmm  # noqa: E402,F401  (registers the ops)
 from scaledmm import backends  # noqa: E402
 from scaledmm.backends import Family, Problem  # noqa: E402
+from scaledmm.device import interpreting  # noqa: E402
 from scaledmm.ops import fp8 as base  # noqa: E402
 from scaledmm.ops import fp8_triton_quant as Q  # noqa: E402
 
@@ -165,31 +166,31 @@ def _codegen_main() -> None:
     for cap in (90, 89, 80):
         driver.set_active(OfflineDriver(cap))
         soft, widen = cap < 90, cap < 89
-        q = Q._bytes_view(torch.empty(m, k, dtype=FP8), widen)
+        q = Q.bytes_view(torch.empty(m, k, dtype=FP8), widen)
         flags = dict(SOFT_CVT=soft, WIDEN=widen, grid=(1,))
         st = Q.default_config("static", m, k)
         tk = Q.default_config("per_token", m, k)
         ck = Q.default_config("per_token", m, 16384)
         builds = {
-            "static": lambda: Q._scaled_kernel.warmup(
+            "static": lambda: Q.scaled_kernel.warmup(
                 x, q, s, s, s, m, k, k, 1, 7, 3584, 0, 1e-10, BLOCK_M=st.block_m, BLOCK_K=st.block_k,
                 ROW_SCALE=False, DYNAMIC=False, NP=1, REVERSE=False, num_warps=st.num_warps, **flags),
-            "token": lambda: Q._token_kernel.warmup(
+            "token": lambda: Q.token_kernel.warmup(
                 x, q, s, m, k, k, 1e-10, BLOCK_M=tk.block_m, BLOCK_K=tk.block_k, ONE_PASS=True,
                 num_warps=tk.num_warps, **flags),
         }
         if cap == 90:
             builds.update({
-                "static_row": lambda: Q._scaled_kernel.warmup(
+                "static_row": lambda: Q.scaled_kernel.warmup(
                     x, q, s, s, s, m, k, k, 1, 7, 3584, 0, 1e-10, BLOCK_M=st.block_m, BLOCK_K=st.block_k,
                     ROW_SCALE=True, DYNAMIC=False, NP=1, REVERSE=False, num_warps=st.num_warps, **flags),
-                "tensor_q": lambda: Q._scaled_kernel.warmup(
+                "tensor_q": lambda: Q.scaled_kernel.warmup(
                     x, q, s, s, s, m, k, k, 1, 7, 3584, 512, 1e-10, BLOCK_M=st.block_m, BLOCK_K=st.block_k,
                     ROW_SCALE=False, DYNAMIC=True, NP=512, REVERSE=True, num_warps=st.num_warps, **flags),
-                "amax": lambda: Q._amax_kernel.warmup(
+                "amax": lambda: Q.amax_kernel.warmup(
                     x, s, m, k, k, 7, 3584, BLOCK_M=st.block_m, BLOCK_K=st.block_k, num_warps=st.num_warps,
                     grid=(1,)),
-                "token_chunked": lambda: Q._token_kernel.warmup(
+                "token_chunked": lambda: Q.token_kernel.warmup(
                     x, q, s, m, k, k, 1e-10, BLOCK_M=ck.block_m, BLOCK_K=ck.block_k, ONE_PASS=False,
                     num_warps=ck.num_warps, **flags),
             })
@@ -205,7 +206,7 @@ def _codegen_main() -> None:
                 if not soft:
                     want.append(("cvt e4m3 RNE", "cvt.rn.satfinite.e4m3x2.f32" in ptx))
             failures += [f"{line}: missing {what}" for what, ok in want if not ok]
-        for kern in (Q._scaled_kernel, Q._token_kernel, Q._amax_kernel):
+        for kern in (Q.scaled_kernel, Q.token_kernel, Q.amax_kernel):
             kern.device_caches.clear()  # binders remember the target per device id
     print("\n".join(failures) if failures else "codegen ok")
 
@@ -262,9 +263,9 @@ def test_selection_on_sm90_quant_triton_gemm_cublas(monkeypatch):
     """The registry walk on a pretend sm90 device: quant_fp8 takes triton,
     fp8_scaled_mm skips it (no impl) and takes cublas."""
     dev = torch.device("cuda", 0)
+    backends.invalidate()
     monkeypatch.setattr(backends, "arch_key", lambda d: "sm90" if d.type == "cuda" else d.type)
-    monkeypatch.setattr(backends, "_supported_cached", lambda b, d: (True, "pretend"))
-    backends._SELECTIONS.clear()
+    monkeypatch.setattr(backends, "supported_on", lambda b, d: (True, "pretend"))
     try:
         assert backends.priority("fp8", dev)[0] == "triton"
         pq = Problem(Family.FP8, dev, 7, 0, 7168, torch.bfloat16, FP8, 7168, (("quant", "per_token"),))
@@ -275,12 +276,13 @@ def test_selection_on_sm90_quant_triton_gemm_cublas(monkeypatch):
         with scaledmm.use_backend("fp8", "triton"):  # not its op: auto-selected as without the request
             assert backends.select(pm, "fp8_scaled_mm").name == "cublas"
     finally:
-        backends._SELECTIONS.clear()
+        monkeypatch.undo()  # the real probe cache first: invalidate() clears it
+        backends.invalidate()
 
 
 @parent
 def test_cpu_without_interpreter_reports_why():
-    if Q._INTERPRET:
+    if interpreting():
         pytest.skip("this process imported triton in interpreter mode")
     ok, why = Q.is_supported(torch.device("cpu"))
     assert not ok and "TRITON_INTERPRET" in why
@@ -296,7 +298,7 @@ if CHILD:
     from hypothesis import given, strategies as st
 
     pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN/Inf casts in the interpreter
-    assert Q._INTERPRET, "child must import triton with TRITON_INTERPRET=1"
+    assert interpreting(), "child must import triton with TRITON_INTERPRET=1"
 
     @pytest.fixture(autouse=True)
     def poisoned_outputs(monkeypatch):
@@ -474,7 +476,7 @@ def test_cuda_every_candidate_config(mode, poisoned):
     for m, k in ((1, 7168), (130, 7168), (64, 16384)):
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         scale, per_token = scale_for(mode, x)
-        for cfg in Q.candidate_configs(Q._mode(scale, per_token), m, k):
+        for cfg in Q.candidate_configs(Q.quant_mode(scale, per_token), m, k):
             check(x, scale, per_token, nan_sign=False, config=cfg)
 
 

@@ -245,7 +245,7 @@ def test_cli_status_and_prebuild_hook(cache, capsys):
         assert len(built) == 2
         assert jit.main(["build"]) == 2  # nothing requested
     finally:
-        del jit._PREBUILD["fake-family"]
+        del jit.PREBUILD["fake-family"]
     assert jit.main(["status"]) == 0
     assert str(cache) in capsys.readouterr().out
 

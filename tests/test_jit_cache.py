@@ -112,8 +112,8 @@ def new_process(monkeypatch):
     from scaledmm.jit import nvrtc
 
     def reset():
-        monkeypatch.setattr(core, "_VERIFIED", {})
-        monkeypatch.setattr(nvrtc, "_MODULES", {})
+        monkeypatch.setattr(core, "VERIFIED", {})
+        monkeypatch.setattr(nvrtc, "MODULES", {})
 
     reset()
     return reset
@@ -243,7 +243,7 @@ def test_status_reports_damaged_entries(cache, tmp_path, new_process, capsys):
     try:
         assert jit.main(["build", "--test-family", "x"]) == 0
     finally:
-        del jit._PREBUILD["test-family"]
+        del jit.PREBUILD["test-family"]
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[2] for line in lines if "tiny_fill" in line] == ["cached", "built"], lines
     assert jit.main(["status"]) == 0
@@ -374,7 +374,7 @@ _SLOW_BUILD = _CHILD_PRELUDE + textwrap.dedent("""
         (tmp / "a.bin").write_bytes(b"partial")
         ready.write_text(str(tmp))
         time.sleep(600)
-    jit.core._locked_build("test", "slow", "1" * 64, "a.bin", build, {})
+    jit.core.locked_build("test", "slow", "1" * 64, "a.bin", build, {})
 """)
 
 
@@ -399,18 +399,18 @@ def test_killed_builds_folders_are_removed_by_the_next_build(cache, tmp_path):
         for d in (unnamed_old, unnamed_new):
             d.mkdir()
             (d / "a.bin").write_bytes(b"x")
-        day_ago = time.time() - 2 * core._UNNAMED_TMP_AGE_S
+        day_ago = time.time() - 2 * core.UNNAMED_TMP_AGE_S
         os.utime(unnamed_old, (day_ago, day_ago))
 
-        assert core._locked_build("test", "quick", "2" * 64, "a.bin", _quick, {}).read_bytes() == b"built"
+        assert core.locked_build("test", "quick", "2" * 64, "a.bin", _quick, {}).read_bytes() == b"built"
         assert live.is_dir(), "the folder of a build in progress is kept"
         assert unnamed_new.is_dir() and not unnamed_old.exists()
     finally:
         proc.kill()
         proc.wait(timeout=60)
-    core._locked_build("test", "other", "3" * 64, "a.bin", _quick, {})
+    core.locked_build("test", "other", "3" * 64, "a.bin", _quick, {})
     assert not live.exists(), "the killed build's folder is removed by the next build"
     assert _no_tmp_left(kind) == [unnamed_new.name]
     # the killed build's entry was never published; a later build makes it whole
-    path = core._locked_build("test", "slow", "1" * 64, "a.bin", _quick, {})
+    path = core.locked_build("test", "slow", "1" * 64, "a.bin", _quick, {})
     assert path.read_bytes() == b"built"

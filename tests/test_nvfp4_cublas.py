@@ -331,7 +331,7 @@ def test_is_supported_gates(monkeypatch):
         assert not ok and "TRITON_INTERPRET" in why
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     assert dc.is_supported(torch.device("cuda", 0))[0]
-    monkeypatch.setattr(dc, "_has_mm_dtype", lambda: False)
+    monkeypatch.setattr(dc, "has_mm_dtype", lambda: False)
     ok, why = dc.is_supported(torch.device("cuda", 0))
     assert not ok and "mm.dtype" in why
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))
@@ -351,7 +351,7 @@ def fake_gpu(request, monkeypatch):
     for var in backends.policy("nvfp4", "sm90").switches.values():
         monkeypatch.delenv(var, raising=False)
     with backends.policy_snapshot():
-        backends._invalidate()
+        backends.invalidate()
         yield arch
 
 

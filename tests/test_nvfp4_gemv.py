@@ -93,7 +93,7 @@ def test_decoded_weights_are_exact_in_bf16():
 
 @nvrtc
 def test_kernel_rejects_bad_defines():
-    spec = jit.NvrtcKernelSpec(gv.KERNEL, gv._source(), arch=gv.ARCH,
+    spec = jit.NvrtcKernelSpec(gv.KERNEL, gv.source_path(), arch=gv.ARCH,
                                defines=dict(gv.GemvConfig().defines(64, 48, 8, torch.bfloat16, None)))
     with pytest.raises(jit.CompileError, match="multiple of 32"):
         spec.compile()

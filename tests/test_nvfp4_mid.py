@@ -65,7 +65,7 @@ def test_instance_compiles_without_spills(n, k, mb, cfg, out_dtype, bias_dtype, 
 
 @nvrtc
 def test_kernel_rejects_bad_defines():
-    spec = jit.NvrtcKernelSpec(md.KERNEL, md._source(), arch=md.ARCH,
+    spec = jit.NvrtcKernelSpec(md.KERNEL, md.source_path(), arch=md.ARCH,
                                defines=md.MidConfig().defines(64, 48, 64, BF16, None))
     with pytest.raises(jit.CompileError, match="multiple of 32"):
         spec.compile()

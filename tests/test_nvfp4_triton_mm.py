@@ -133,21 +133,21 @@ def test_split_fills_the_sms():
     p = triton_problem(1)
     cfg = nt.default_config(p)
     tiles = -(-p.n // cfg.block_n)
-    assert tiles * cfg.split_k >= nt.CTAS_PER_SM * nt._sm_count(p.device) or \
+    assert tiles * cfg.split_k >= nt.CTAS_PER_SM * nt.grid_sms(p.device) or \
         (p.k // cfg.block_k) // (2 * cfg.split_k) < nt.MIN_STEPS_PER_SPLIT
 
 
 def test_mid_m_defaults_follow_the_measured_rule(monkeypatch):
-    monkeypatch.setattr(nt, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(nt, "grid_sms", lambda device: 132)
     for n, k, split, pre in ((6144, 4096, 4, False), (4096, 4096, 8, False), (28672, 4096, 2, True),
                              (4096, 14336, 8, False)):
         cfg = nt.default_config(triton_problem(64, n, k))
-        auto = nt._split_for(cfg, 64, n, k, torch.device("cpu"))
+        auto = nt.split_for(cfg, 64, n, k, torch.device("cpu"))
         assert (cfg.split_k, cfg.predecode_x) == (split, pre), (n, cfg)
         assert auto in (2 * split, split)
         assert nt.config_ok(cfg, triton_problem(64, n, k))[0]
     w16 = nt.default_config(triton_problem(64, 6144, 4096, w4a16=True))  # W4A16: the plain rule
-    assert w16.split_k == nt._split_for(w16, 64, 6144, 4096, torch.device("cpu")) and not w16.predecode_x
+    assert w16.split_k == nt.split_for(w16, 64, 6144, 4096, torch.device("cpu")) and not w16.predecode_x
     assert nt.default_config(triton_problem(16, 6144, 4096)).split_k == 8  # other buckets unchanged
 
 
@@ -173,14 +173,14 @@ def test_split_k_counters_are_per_call(monkeypatch):
     CUDA-graph pool and be shared by every graph that captured it).  Non-zero
     counters leave the output unwritten, so the reference checks can fail."""
     handed = []
-    real = nt._tile_counters
+    real = nt.tile_counters
 
     def spy(device, tiles):
         t = real(device, tiles)
         handed.append((tiles, t.dtype, t.clone()))
         return t
 
-    monkeypatch.setattr(nt, "_tile_counters", spy)
+    monkeypatch.setattr(nt, "tile_counters", spy)
     qa, sa = quantized(5, 256, "cpu")
     qb, sb = quantized(40, 256, "cpu", gs=20.0)
     ref = ref_mm(decode(qa, sa), decode(qb, sb), 1.0, None)
@@ -194,7 +194,7 @@ def test_split_k_counters_are_per_call(monkeypatch):
     held = [n for n, v in vars(nt).items() if isinstance(v, torch.Tensor)
             or (isinstance(v, dict) and any(isinstance(x, torch.Tensor) for x in v.values()))]
     assert not held, held
-    monkeypatch.setattr(nt, "_tile_counters", lambda device, tiles: torch.full((tiles,), 9, dtype=torch.int32))
+    monkeypatch.setattr(nt, "tile_counters", lambda device, tiles: torch.full((tiles,), 9, dtype=torch.int32))
     out = poison_(torch.empty(5, 40))
     monkeypatch.setattr(nt.nv, "mm_output", lambda *a: out)
     nt.run_mm(qa, qb, sa, sb, torch.tensor(1.0), torch.float32, None, cfgs[0])

@@ -98,7 +98,7 @@ def _run_case(case, rank: int, world: int, seed: int) -> None:
             assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype)
             assert out.numel() == 0 or out.data_ptr() != x_in.data_ptr()
             local = x[..., rank * shard:(rank + 1) * shard].reshape(-1, shard)
-            part = layer._partial(local).double().abs()
+            part = layer.local_product(local).double().abs()
             dist.all_reduce(part)
             tol = row_tolerance(part, layer.bias, world).reshape(ref.shape)
             err = (out.double() - ref.double()).abs()
@@ -274,7 +274,7 @@ def test_simulated_collectives(layout, m):
         ks = k // world
         layers = [RowParallelLinear.from_checkpoint(LAYERS[fmt], t, rank=r, world_size=world, **kw)
                   for r in range(world)]
-        parts = [layer._partial(x[:, r * ks:(r + 1) * ks]) for r, layer in enumerate(layers)]
+        parts = [layer.local_product(x[:, r * ks:(r + 1) * ks]) for r, layer in enumerate(layers)]
         out = parts[0]
         for p in parts[1:]:
             out = out + p

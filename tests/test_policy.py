@@ -181,7 +181,7 @@ def test_switch_is_read_at_selection_time(fake_sm90, monkeypatch):
     assert backends.select(p, "nvfp4_mm").name == "cuda_gemv"
     monkeypatch.setenv("SCALEDMM_NVFP4_GEMV", "0")  # after the first (cached) selection
     assert backends.select(p, "nvfp4_mm").name == "cuda_mid"
-    assert "cuda_gemv OFF (SCALEDMM_NVFP4_GEMV='0')" in backends._switch_line(backends.policy("nvfp4", "sm90"))
+    assert "cuda_gemv OFF (SCALEDMM_NVFP4_GEMV='0')" in backends.switch_line(backends.policy("nvfp4", "sm90"))
     with scaledmm.use_backend("nvfp4", "cuda_gemv"):  # an explicit request is not switched off
         assert backends.select(p, "nvfp4_mm").name == "cuda_gemv"
     monkeypatch.setenv("SCALEDMM_NVFP4_BACKEND", "cuda_gemv")
@@ -210,7 +210,7 @@ def test_report_names_the_policy_and_switches(capsys, monkeypatch):
         assert f"{fam.value}: auto order {backends.priority(fam, 'cpu')} ({backends.policy(fam, 'cpu').source})" in text
     capsys.readouterr()
     monkeypatch.setenv("SCALEDMM_NVFP4_MID", "0")
-    line = backends._switch_line(backends.policy("nvfp4", "sm90"))
+    line = backends.switch_line(backends.policy("nvfp4", "sm90"))
     assert "cuda_gemv on (SCALEDMM_NVFP4_GEMV=" in line and "cuda_mid OFF (SCALEDMM_NVFP4_MID='0')" in line
 
 

@@ -334,7 +334,7 @@ def test_kernel_checks_the_shared_memory_size():
     """The .cu file static_asserts its layout against the launcher's FA_SMEM_BYTES."""
     cfg = fa.TmaConfig(32, 2, 256, 3, 4)
     defines = dict(cfg.defines(2112, 7168, 16), FA_SMEM_BYTES=cfg.smem_bytes(2112, 7168, 16) + 16)
-    spec = jit.NvrtcKernelSpec(cfg.kernel, fa._source(cfg.source), arch=fa.ARCH, defines=defines)
+    spec = jit.NvrtcKernelSpec(cfg.kernel, fa.source_path(cfg.source), arch=fa.ARCH, defines=defines)
     with pytest.raises(jit.CompileError, match="FA_SMEM_BYTES"):
         spec.compile()
 

@@ -95,7 +95,7 @@ def sanitizer_child(lib_path: str, cfg_name: str, m: int, n: int, k: int) -> int
     da, db, dsa, dsb = upload(a), upload(b), upload(sa), upload(sb)
     dout = ok(drv.cuMemAlloc(m * n * 2))
     ok(drv.cuMemsetD16(dout, 0x7FC0, m * n))  # NaN
-    args = C._Args(C.ABI_VERSION, 0, 132, m, n, k, int(da), int(db), int(dsa), int(dsb), int(dout),
+    args = C.Args(C.ABI_VERSION, 0, 132, m, n, k, int(da), int(db), int(dsa), int(dsb), int(dout),
                    k, n, 1, m, kb, None, 0, None, 1, 0, 1, 0)
     args.sm_count = ok(drv.cuDeviceGetAttribute(
         drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, ok(drv.cuDeviceGet(0))))

@@ -1,5 +1,5 @@
 """One-launch split-K of the fp8_block Triton GEMM (``MMConfig.one_launch``)
-against the two-launch path (GEMM + ``_splitk_reduce_kernel``) on the H200.
+against the two-launch path (GEMM + ``splitk_reduce_kernel``) on the H200.
 
 1. Bits: for every point, the default config and the same config with
    ``one_launch=True`` must give equal bytes (bf16 out); on 2112x7168 also fp32

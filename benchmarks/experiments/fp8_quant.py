@@ -93,7 +93,7 @@ def plan(points, smoke: bool) -> list[tuple[int, int, str, Q.QuantConfig, bool]]
     for m, k in points:
         for mode in MODES:
             scale, per_token = scale_for(mode, torch.empty(0, 1))
-            qmode = Q._mode(scale, per_token)
+            qmode = Q.quant_mode(scale, per_token)
             cands = Q.candidate_configs(qmode, m, k)
             for cfg in cands:
                 out.append((m, k, mode, cfg, True))
@@ -121,7 +121,7 @@ def _compile_worker(jobs) -> int:
 
 def compile_all(variants, ms, ks) -> None:
     jobs = [(mode, k, cfg, rev) for m, k, mode, cfg, rev in variants]
-    jobs += [(mode, k, Q.default_config(Q._mode(*scale_for(mode, torch.empty(0, 1))), m, k), True)
+    jobs += [(mode, k, Q.default_config(Q.quant_mode(*scale_for(mode, torch.empty(0, 1))), m, k), True)
              for m in ms for k in ks for mode in MODES]
     # one job per kernel: per-token kernels differ by one-pass vs chunked, the others not by K
     key = lambda j: (j[0], j[2], j[3], j[0] == "dynamic_token" and j[1] <= j[2].block_k)  # noqa: E731

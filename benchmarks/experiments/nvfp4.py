@@ -127,7 +127,7 @@ def with_split(cfg, policy: str, m: int, n: int, k: int):
     from scaledmm.ops import nvfp4_triton as nt
     import torch
 
-    auto = nt._split_for(cfg, m, n, k, torch.device(DEV))
+    auto = nt.split_for(cfg, m, n, k, torch.device(DEV))
     split = {"auto": auto, "x2": min(2 * auto, 16), "half": max(auto // 2, 1), "none": 1}[policy]
     return dataclasses.replace(cfg, split_k=max(1, min(split, math.ceil(k / cfg.block_k))))
 

@@ -162,7 +162,7 @@ def worker(rank, world, port, out_path):
                     err = err_exact
                 else:
                     ks = k // world
-                    part = tp._partial(x[:, rank * ks:(rank + 1) * ks]).double().abs()
+                    part = tp.local_product(x[:, rank * ks:(rank + 1) * ks]).double().abs()
                     dist.all_reduce(part)
                     bound = (2 * world + 2) * U_BF16 * (part + tp.bias.double().abs()) + 1e-6
                 rec["max_err"] = float(err.max())

@@ -592,9 +592,9 @@ def main() -> int:
     # Report --------------------------------------------------------------------------
     def occupancy():
         """Clusters of each tuned split-K config that fit the GPU at once (vs needed)."""
-        from scaledmm.jit import _driver
+        from scaledmm.jit import cuda_driver
 
-        drv = _driver()
+        drv = cuda_driver()
         lines = []
         for n, k in SHAPES:
             for mb in fa.M_BUCKETS:

@@ -49,7 +49,7 @@ from .core import (  # noqa: F401  (re-exports; the private names are used by op
     ENV_CACHE_DIR,
     ENV_NO_BUILD,
     ENV_NVCC,
-    _PREBUILD,
+    PREBUILD,
     BuildDisabledError,
     CacheDirError,
     CompileError,
@@ -67,7 +67,7 @@ from .core import (  # noqa: F401  (re-exports; the private names are used by op
     source_closure,
 )
 from .nvcc import NvccLibrarySpec  # noqa: F401
-from .nvrtc import CudaKernel, CudaModule, NvrtcKernelSpec, _driver, sm90a_gate  # noqa: F401
+from .nvrtc import CudaKernel, CudaModule, NvrtcKernelSpec, cuda_driver, sm90a_gate  # noqa: F401
 
 __all__ = [
     "JitError",

@@ -17,7 +17,7 @@ import time
 from typing import Sequence
 
 from .core import _env as env
-from .core import (_PREBUILD, ENV_CACHE_DIR, ENV_NO_BUILD, CacheDirError, JitError, _nvcc_version, cache_dir,
+from .core import (PREBUILD, ENV_CACHE_DIR, ENV_NO_BUILD, CacheDirError, JitError, _nvcc_version, cache_dir,
                    cached_entries, nvcc_path, nvrtc_available)
 
 
@@ -47,17 +47,17 @@ def _cmd_status(args) -> int:
 
 def _cmd_build(args) -> int:
     specs = []
-    for flag in _PREBUILD:
+    for flag in PREBUILD:
         value = getattr(args, flag.replace("-", "_"), None)
         if value:
             try:
-                specs += list(_PREBUILD[flag][0](value))
+                specs += list(PREBUILD[flag][0](value))
             except (ValueError, KeyError) as e:
                 what = e if isinstance(e, ValueError) else f"unknown name {e}"
                 print(f"python -m scaledmm.jit build: --{flag} {value!r}: {what}", file=sys.stderr)
                 return 2
     if not specs:
-        print("nothing to build: pass one of " + ", ".join(f"--{f}" for f in _PREBUILD), file=sys.stderr)
+        print("nothing to build: pass one of " + ", ".join(f"--{f}" for f in PREBUILD), file=sys.stderr)
         return 2
     failed = 0
     for spec in specs:
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("status", help="list cache entries (kind, name, key, size, damaged ones); exit 1 if any is damaged")
     b = sub.add_parser("build", help="pre-build kernels into the cache (damaged entries are rebuilt)")
-    for flag, (_, help_) in _PREBUILD.items():
+    for flag, (_, help_) in PREBUILD.items():
         b.add_argument(f"--{flag}", metavar="SPEC", help=help_)
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:

@@ -52,7 +52,7 @@ _FORMAT = 1  # bump to invalidate every cache entry
 _LOCK_TIMEOUT_S = 1800.0
 _META = "meta.json"
 _TMP = ".tmp-"  # build folders: .tmp-<entry folder name>-<random, no '-'>
-_UNNAMED_TMP_AGE_S = 86400.0  # .tmp-<random> folders (no entry name, so no lock to probe) older than this are stale
+UNNAMED_TMP_AGE_S = 86400.0  # .tmp-<random> folders (no entry name, so no lock to probe) older than this are stale
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 _ARCH_RE = re.compile(r"^sm_(\d+)([af]?)$")
 
@@ -97,7 +97,14 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "scaledmm"
 
 
-def _no_build() -> bool:
+def no_build() -> bool:
+    """Whether ``SCALEDMM_JIT_NO_BUILD`` forbids building (read through ``scaledmm.env``).
+
+    Examples
+    --------
+    >>> isinstance(no_build(), bool)
+    True
+    """
     return _env.jit_no_build()
 
 
@@ -319,7 +326,7 @@ def _on_cache_path(filename: Any) -> bool:
 
 # Entries verified in this process, by path: (dev, inode, size, mtime, ctime)
 # when verified; a file changed since then has another signature and is hashed again.
-_VERIFIED: dict[str, tuple[int, ...]] = {}
+VERIFIED: dict[str, tuple[int, ...]] = {}
 
 
 def _inspect(entry: Path, artifact: str, key: str | None = None,
@@ -339,7 +346,7 @@ def _inspect(entry: Path, artifact: str, key: str | None = None,
     except OSError as e:
         raise _cache_dir_error(e, f"reading {target}") from e
     sig = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    if not read and _VERIFIED.get(str(target)) == sig:
+    if not read and VERIFIED.get(str(target)) == sig:
         return "ok", "", None
     try:
         meta = json.loads((entry / _META).read_text(encoding="utf-8"))
@@ -371,7 +378,7 @@ def _inspect(entry: Path, artifact: str, key: str | None = None,
         raise _cache_dir_error(e, f"reading {target}") from e
     if got_size != size or got != digest:
         return "damaged", f"sha256 of {artifact} differs from the one recorded when it was built", None
-    _VERIFIED[str(target)] = sig
+    VERIFIED[str(target)] = sig
     return "ok", "", data
 
 
@@ -433,7 +440,7 @@ def _remove_stale_tmp(entry: Path) -> None:
             elif owner:
                 with FileLock(str(entry.parent / owner) + ".lock", timeout=0):
                     _remove(path)
-            elif time.time() - path.lstat().st_mtime > _UNNAMED_TMP_AGE_S:
+            elif time.time() - path.lstat().st_mtime > UNNAMED_TMP_AGE_S:
                 _remove(path)
         except (Timeout, OSError):  # a live build (or a folder we cannot lock): leave it
             continue
@@ -502,7 +509,7 @@ def _ensure_entry(kind: str, name: str, key: str, artifact: str, build: Callable
     if state == "ok":
         return target, data
     _check_cache_root()
-    if _no_build():
+    if no_build():
         if state == "missing":
             raise BuildDisabledError(
                 f"scaledmm.jit: {kind} '{name}' (key {key[:16]}) is not in the cache {cache_dir()} and "
@@ -541,9 +548,20 @@ def _ensure_entry(kind: str, name: str, key: str, artifact: str, build: Callable
     return target, data
 
 
-def _locked_build(kind: str, name: str, key: str, artifact: str,
+def locked_build(kind: str, name: str, key: str, artifact: str,
                   build: Callable[[Path], dict[str, Any]], meta: dict[str, Any]) -> Path:
-    """``<entry>/<artifact>``, verified or (re)built (see :func:`_ensure_entry`)."""
+    """``<entry>/<artifact>``, verified or (re)built (see :func:`_ensure_entry`):
+    one builder per entry across processes (a file lock), ``build(folder)``
+    writes the artifact into a fresh folder and returns extra meta fields.
+
+    Examples
+    --------
+    >>> def build(folder):
+    ...     (folder / "a.bin").write_bytes(b"built")
+    ...     return {}
+    >>> locked_build("demo", "one", "0" * 64, "a.bin", build, {}).read_bytes()  # doctest: +SKIP
+    b'built'
+    """
     return _ensure_entry(kind, name, key, artifact, build, meta)[0]
 
 
@@ -572,7 +590,7 @@ def _hashable(v: Any) -> Any:
 # Pre-build hooks and cache entries (used by the command line, scaledmm.jit.cli)
 # ----------------------------------------------------------------------------
 
-_PREBUILD: dict[str, tuple[Callable[[str], list[Any]], str]] = {}
+PREBUILD: dict[str, tuple[Callable[[str], list[Any]], str]] = {}
 
 
 def register_prebuild(flag: str, specs_for: Callable[[str], list[Any]], help: str = "") -> None:
@@ -584,13 +602,13 @@ def register_prebuild(flag: str, specs_for: Callable[[str], list[Any]], help: st
     --------
     >>> from scaledmm import jit
     >>> jit.register_prebuild("mine", lambda v: [], help="N:K list")
-    >>> "mine" in jit._PREBUILD
+    >>> "mine" in jit.PREBUILD
     True
-    >>> del jit._PREBUILD["mine"]
+    >>> del jit.PREBUILD["mine"]
     """
     if not re.match(r"^[a-z][a-z0-9_\-]*$", flag):
         raise ValueError(f"flag: expected a lower-case option name, got {flag!r}")
-    _PREBUILD[flag] = (specs_for, help)
+    PREBUILD[flag] = (specs_for, help)
 
 
 def parse_shapes(value: str, flag: str) -> list[tuple[int, int]]:

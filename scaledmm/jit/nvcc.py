@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .core import (ENV_NVCC, CompileError, JitError, _check_arch, _digest, _entry_dir, _entry_ok, _file_digests,
-                   _FORMAT, _locked_build, _normalize_defines, _nvcc_version, _package_csrc, _PROCESS_LOCK,
+                   _FORMAT, locked_build, _normalize_defines, _nvcc_version, _package_csrc, _PROCESS_LOCK,
                    nvcc_path, source_closure)
 
 # ----------------------------------------------------------------------------
@@ -150,7 +150,7 @@ class NvccLibrarySpec:
                 )
             return {"command": cmd, "sources": list(self.sources), "toolchain": _nvcc_version(nvcc_path())}
 
-        return _locked_build("nvcc", self.name, self.key, so, build, {"arch": self.arch})
+        return locked_build("nvcc", self.name, self.key, so, build, {"arch": self.arch})
 
     def load(self) -> ctypes.CDLL:
         """Build if needed and ``ctypes.CDLL`` the library (one handle per process).

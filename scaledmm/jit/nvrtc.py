@@ -22,7 +22,14 @@ from .core import (CompileError, JitError, _check_arch, _digest, _ensure_entry, 
 # ----------------------------------------------------------------------------
 
 
-def _driver():
+def cuda_driver():
+    """The CUDA driver bindings module of cuda-python (``cuda.bindings.driver``).
+
+    Examples
+    --------
+    >>> hasattr(cuda_driver(), "cuModuleLoadData")  # doctest: +SKIP
+    True
+    """
     try:
         from cuda.bindings import driver
     except ImportError:  # cuda-python < 12.6 layout
@@ -54,7 +61,7 @@ def sm90a_gate(device) -> tuple[bool, str]:
     if not ok:
         return False, why
     try:
-        _driver()
+        cuda_driver()
     except ImportError as e:
         return False, f"cuda.bindings not importable: {e}"
     return True, why
@@ -215,13 +222,13 @@ class NvrtcKernelSpec:
 
         The driver gets exactly the bytes that were checked against the
         entry's recorded sha256."""
-        mod = _MODULES.get(self.key)
+        mod = MODULES.get(self.key)
         if mod is None:
             path, cubin = self._entry(read=True)
             with _PROCESS_LOCK:
-                mod = _MODULES.get(self.key)
+                mod = MODULES.get(self.key)
                 if mod is None:
-                    mod = _MODULES[self.key] = CudaModule(cubin, str(path))
+                    mod = MODULES[self.key] = CudaModule(cubin, str(path))
         return mod
 
     def kernel(self, fn: str | None = None) -> "CudaKernel":
@@ -232,13 +239,13 @@ class NvrtcKernelSpec:
         return self.load().kernel(fn)
 
 
-_MODULES: dict[str, "CudaModule"] = {}
+MODULES: dict[str, "CudaModule"] = {}
 
 
 def _ensure_context(device_index: int) -> None:
     """Make the primary context of ``device_index`` current on this thread
     (the one torch uses), without changing torch's current device."""
-    drv = _driver()
+    drv = cuda_driver()
     ctx = _check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
     if ctx is not None and int(ctx) != 0:
         dev = _check(drv.cuCtxGetDevice(), "cuCtxGetDevice")
@@ -267,7 +274,7 @@ class CudaModule:
                 mod = self._per_device.get(device_index)
                 if mod is None:
                     _ensure_context(device_index)
-                    mod = _check(_driver().cuModuleLoadData(self.cubin), f"cuModuleLoadData({self.origin})")
+                    mod = _check(cuda_driver().cuModuleLoadData(self.cubin), f"cuModuleLoadData({self.origin})")
                     self._per_device[device_index] = mod
         return mod
 
@@ -291,7 +298,7 @@ class CudaKernel:
         f = self._funcs.get(device_index)
         if f is None:
             mod = self.module.handle(device_index)
-            f = _check(_driver().cuModuleGetFunction(mod, self.fn.encode()), f"cuModuleGetFunction({self.fn})")
+            f = _check(cuda_driver().cuModuleGetFunction(mod, self.fn.encode()), f"cuModuleGetFunction({self.fn})")
             self._funcs[device_index] = f
         return f
 
@@ -348,7 +355,7 @@ class CudaKernel:
             stream = torch.cuda.current_stream(idx)
         handle = stream.cuda_stream if hasattr(stream, "cuda_stream") else int(stream)
         _ensure_context(idx)
-        drv = _driver()
+        drv = cuda_driver()
         func = self.function(idx)
         if shared_mem > 48 * 1024 and self._smem_set.get(idx, 0) < shared_mem:
             _check(drv.cuFuncSetAttribute(

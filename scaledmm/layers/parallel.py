@@ -431,7 +431,7 @@ class RowParallelLinear(_ParallelLinear):
         elif x.dim() < 1 or x.shape[-1] != ks:
             V.fail(name, "x", f"last dim K / world_size = {ks} (input_is_parallel=True)", tuple(x.shape))
         x2 = as_rows(x)
-        out = self._partial(x2).contiguous()
+        out = self.local_product(x2).contiguous()
         if self.world_size > 1:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         if self.bias is not None:
@@ -446,7 +446,20 @@ class RowParallelLinear(_ParallelLinear):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t
 
-    def _partial(self, x2: torch.Tensor) -> torch.Tensor:
+    def local_product(self, x2: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce and the bias:
+        ``x2`` (rows, this rank's ``K / world_size`` columns) times the weight
+        shard, with dynamic activation scales taken over the whole K.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from scaledmm.layers import Fp8BlockLinear
+        >>> t = {"weight": torch.randn(64, 256).to(torch.float8_e4m3fn), "weight_scale_inv": torch.ones(1, 2)}
+        >>> layer = RowParallelLinear.from_checkpoint(Fp8BlockLinear, t, rank=0, world_size=2)
+        >>> layer.local_product(torch.randn(3, 128, dtype=torch.bfloat16)).shape
+        torch.Size([3, 64])
+        """
         inner = self.inner
         if not inner._processed:  # the dynamic paths below bypass inner.forward's check
             raise RuntimeError(f"{type(inner).__name__}: load the tensors first (from_checkpoint, "
