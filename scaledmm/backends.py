@@ -26,6 +26,11 @@ An implementation that declares a keyword-only ``problem`` parameter is
 called with the :class:`Problem` it was selected for (:meth:`Backend.run`),
 so it need not derive it again from the tensors.
 
+Editing the policy in this process (:func:`set_priority`,
+:func:`override_policy`, :func:`policy_snapshot`, ...) lives in
+:mod:`scaledmm.policy_edits` and the human-readable :func:`report` in
+:mod:`scaledmm.backend_report`; both are re-exported here.
+
 This module is part of the core: it imports no op module.  Op modules call
 :func:`register` at import time and nothing else: no module changes the
 policy when it is imported.
@@ -39,7 +44,6 @@ import dataclasses
 import enum
 import functools
 import inspect
-import io
 from typing import Any, Callable, Iterator
 
 import torch
@@ -348,7 +352,7 @@ def policy(family: Family | str, device: torch.device | str) -> Policy:
     """
     fam = Family.parse(family)
     if isinstance(device, str) and device.startswith("sm") and device[2:].isdigit():
-        return _arch_policy(fam, device)
+        return _policies.resolve(fam.value, device)
     dev = _device_key(torch.device(device))
     return _policies.resolve(fam.value, arch_key(dev), gpu=dev.type == "cuda")
 
@@ -365,147 +369,6 @@ def priority(family: Family | str, device: torch.device | str) -> list[str]:
     """
     pol = policy(family, device)
     return [b for b in pol.order if pol.enabled(b)]
-
-
-def arch_priority(family: Family | str, arch: str) -> list[str]:
-    """:func:`priority` on a device of architecture ``arch`` (``"sm90"``,
-    ``"cuda"``, ``"cpu"``).
-
-    Examples
-    --------
-    >>> import scaledmm
-    >>> scaledmm.backends.arch_priority("fp8", "cpu")
-    ['reference']
-    """
-    pol = _arch_policy(Family.parse(family), arch)
-    return [b for b in pol.order if pol.enabled(b)]
-
-
-def _arch_policy(fam: Family, arch: str) -> Policy:
-    """The policy a device of architecture ``arch`` uses (``"cuda"``: any GPU)."""
-    return _policies.resolve(fam.value, arch, gpu=arch == "cuda" or arch.startswith("sm"))
-
-
-def _entry(fam: Family, arch: str) -> Policy:
-    """The live policy stored for ``arch``, else the one ``arch`` resolves to."""
-    return _policies.table(fam.value).get(arch) or _arch_policy(fam, arch)
-
-
-def set_priority(family: Family | str, arch: str, order: list[str]) -> None:
-    """Replace the order of ``family``'s policy for ``arch`` in this process
-    (tests, experiments; the shipped order lives in the policy file).  No
-    module calls this at import.
-
-    Examples
-    --------
-    >>> import scaledmm
-    >>> with scaledmm.backends.policy_snapshot():
-    ...     scaledmm.backends.set_priority("fp8", "cpu", ["reference"])
-    """
-    fam = Family.parse(family)
-    _policies.replace(fam.value, arch, _entry(fam, arch), order=list(order))
-    invalidate()
-
-
-def set_auto_table(family: Family | str, arch: str, table: dict) -> None:
-    """Replace the measured per-shape rows of ``family``'s policy for
-    ``arch`` in this process (as :func:`set_priority`).
-
-    ``table`` maps ``(n, k)`` to ``[(max_m, [backend names]), ...]``: for a
-    problem of that shape the first entry with ``m <= max_m`` gives the order
-    automatic selection tries (then the rest of the policy's order).  Shapes
-    or M beyond the table use the order alone.
-
-    Examples
-    --------
-    >>> import scaledmm
-    >>> with scaledmm.backends.policy_snapshot():
-    ...     scaledmm.backends.set_auto_table("fp8", "sm00", {(64, 128): [(16, ["reference"])]})
-    """
-    fam = Family.parse(family)
-    shapes = {f"{int(n)}x{int(k)}": sorted([int(mm), list(order)] for mm, order in rows)
-              for (n, k), rows in table.items()}
-    _policies.replace(fam.value, arch, _entry(fam, arch), shapes=shapes)
-    invalidate()
-
-
-def load_auto_table(family: Family | str, path) -> None:
-    """Install the per-shape rows of a ``{"arch": ..., "shapes": {"NxK":
-    [[max_m, [names]], ...]}}`` JSON file (``python -m benchmarks.tune``
-    output) with :func:`set_auto_table`, to try a new measurement without
-    editing the policy file.
-
-    Examples
-    --------
-    >>> import scaledmm
-    >>> scaledmm.backends.load_auto_table("fp8_block", "fp8_block_sm90.json")  # doctest: +SKIP
-    """
-    import json
-
-    with open(path) as f:
-        data = json.load(f)
-    table = {}
-    for shape, rows in data["shapes"].items():
-        n, k = (int(v) for v in shape.lower().split("x"))
-        table[(n, k)] = [(int(mm), list(order)) for mm, order in rows]
-    set_auto_table(family, data["arch"], table)
-
-
-@contextlib.contextmanager
-def override_policy(family: Family | str, arch: str, *, order: list[str] | None = None,
-                    shapes: dict | None = None, switches: dict | None = None) -> Iterator[Policy]:
-    """Inside the block, ``family``'s policy for ``arch`` has the given
-    ``order``, ``shapes`` (``{(n, k): [(max_m, [names]), ...]}``) and / or
-    ``switches`` (``{backend: env var}``); the previous policy comes back on
-    exit.  For tests and experiments.
-
-    Examples
-    --------
-    >>> import scaledmm
-    >>> with scaledmm.backends.override_policy("fp8", "cpu", order=["reference"]) as p:
-    ...     p.order
-    ('reference',)
-    """
-    fam = Family.parse(family)
-    live = _policies.table(fam.value)
-    had, old = arch in live, live.get(arch)
-    fields: dict[str, Any] = {}
-    if order is not None:
-        fields["order"] = list(order)
-    if switches is not None:
-        fields["switches"] = dict(switches)
-    if shapes is not None:
-        fields["shapes"] = {f"{int(n)}x{int(k)}": sorted([int(mm), list(o)] for mm, o in rows)
-                            for (n, k), rows in shapes.items()}
-    new = _policies.replace(fam.value, arch, _entry(fam, arch), **fields)
-    invalidate()
-    try:
-        yield new
-    finally:
-        if had:
-            live[arch] = old
-        else:
-            live.pop(arch, None)
-        invalidate()
-
-
-@contextlib.contextmanager
-def policy_snapshot() -> Iterator[None]:
-    """Every policy change made inside the block (:func:`set_priority`,
-    :func:`set_auto_table`, ...) is undone on exit.  For tests.
-
-    Examples
-    --------
-    >>> import scaledmm
-    >>> with scaledmm.backends.policy_snapshot():
-    ...     scaledmm.backends.set_priority("skinny", "cpu", ["reference"])
-    """
-    saved = _policies.snapshot()
-    try:
-        yield
-    finally:
-        _policies.restore(saved)
-        invalidate()
 
 
 def auto_order(problem: Problem, table_m: int | None = None) -> list[str]:
@@ -733,85 +596,10 @@ def family_ops(family: Family | str) -> list[str]:
     return sorted({op for b in _REGISTRY[fam].values() for op in b.impls})
 
 
-def _request_line(fam: Family) -> str:
-    """What the explicit request of ``fam`` does, for :func:`report`."""
-    name, source = _request(fam)
-    if source is None:
-        return "no request: every op auto-selected"
-    if name is None:
-        masked = (_env.get(_ENV_VARS[fam]) or "").strip()
-        extra = f" (masks {_ENV_VARS[fam]}={masked!r})" if masked and masked != "auto" else ""
-        return f"use_backend({fam.value!r}, 'auto'){extra}: every op auto-selected"
-    backend = _REGISTRY[fam].get(name)
-    if backend is None:
-        valid = ", ".join(_REGISTRY[fam]) or "<none registered>"
-        return (f"INVALID {source}={name!r}: not a backend of {fam.value} (valid: {valid}, auto); "
-                f"every {fam.value} op raises ValueError until it is fixed")
-    ops = family_ops(fam)
-    forced = [o for o in ops if o in backend.impls]
-    auto = [o for o in ops if o not in backend.impls]
-    line = f"forced to {name!r} by {source} for {', '.join(forced) or '<no op>'}"
-    if auto:
-        line += f"; auto-selected for {', '.join(auto)}"
-    return line
-
-
-def switch_line(pol: Policy) -> str:
-    """The policy's switches and their state, as :func:`report` prints them.
-
-    Examples
-    --------
-    >>> switch_line(policy("fp8_block", "cpu"))  # no switches
-    ''
-    """
-    if not pol.switches:
-        return ""
-    parts = []
-    for name, var in pol.switches.items():
-        value = _env.get(var)
-        state = "on" if pol.enabled(name) else "OFF"
-        parts.append(f"{name} {state} ({var}={'unset' if value is None else repr(value)})")
-    return "; switches: " + ", ".join(parts)
-
-
-def report(file: Any = None) -> str:
-    """Print, for this machine, every backend and why it is or is not usable,
-    per family the automatic order, the policy file it comes from and the
-    state of its switches, and what an explicit request (``use_backend`` or
-    ``SCALEDMM_<FAMILY>_BACKEND``) does: the ops it forces, the ops left to
-    automatic selection, or an invalid name and the variable that holds it.
-    Never raises for a bad request.
-
-    Returns the text as well.
-
-    Examples
-    --------
-    >>> import scaledmm
-    >>> text = scaledmm.backends.report(file=None)  # doctest: +SKIP
-    """
-    devices = [torch.device("cpu")]
-    if torch.cuda.is_available():
-        devices += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    out = io.StringIO()
-    for dev in devices:
-        label = str(dev)
-        if dev.type == "cuda":
-            label += f" ({torch.cuda.get_device_name(dev)}, {arch_key(dev)})"
-        out.write(f"== {label}\n")
-        for fam in Family:
-            try:
-                pol = policy(fam, dev)
-            except _policies.PolicyError as e:
-                out.write(f"  {fam.value}: POLICY ERROR {e}\n")
-                continue
-            order = [b for b in pol.order if pol.enabled(b)]
-            out.write(f"  {fam.value}: auto order {order} ({pol.source}{switch_line(pol)}); "
-                      f"{_request_line(fam)}\n")
-            for name, backend in _REGISTRY[fam].items():
-                ok, why = supported_on(backend, dev)
-                mark = "yes" if ok else "no "
-                ops = ",".join(sorted(backend.impls))
-                out.write(f"    [{mark}] {name:<20} {why}  (ops: {ops})\n")
-    text = out.getvalue()
-    print(text, end="", file=file)
-    return text
+# The policy-editing hooks and the report are concepts of their own, in their
+# own modules; they read this module's state through it, so they are imported
+# last (a cycle that this order makes safe) and re-exported here.
+from .policy_edits import (  # noqa: E402
+    arch_priority, load_auto_table, override_policy, policy_snapshot, set_auto_table, set_priority,
+)
+from .backend_report import report, switch_line  # noqa: E402

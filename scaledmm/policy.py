@@ -251,15 +251,21 @@ def table(family: str) -> dict[str, Policy]:
     return _TABLE[family]
 
 
-def resolve(family: str, key: str, gpu: bool) -> Policy:
-    """The policy a device with arch ``key`` uses (see the module docstring).
+def resolve(family: str, key: str, gpu: bool | None = None) -> Policy:
+    """The policy a device with arch ``key`` uses (see the module docstring);
+    ``gpu``: whether that device is a GPU (default: ``key`` is ``"cuda"`` or
+    ``"smXY"``).
 
     Examples
     --------
     >>> import scaledmm
     >>> resolve("nvfp4", "sm89", gpu=True).source
     'scaledmm/tuning/nvfp4_sm80.json'
+    >>> resolve("fp8", "cpu").source
+    'scaledmm/tuning/fp8_cpu.json'
     """
+    if gpu is None:
+        gpu = key == "cuda" or key.startswith("sm")
     entries = table(family)
     chain = (key, key[:-1] + "0", "cuda") if gpu else (key, "cpu")
     for arch in chain:
@@ -283,8 +289,8 @@ def switch_vars(family: str) -> tuple[str, ...]:
 def replace(family: str, arch: str, base: Policy, **fields: Any) -> Policy:
     """Install ``base`` with ``fields`` replaced as the live policy of
     ``family`` on ``arch``, validated like a file (switches and rows may
-    name backends the new order lacks); returns it.  The registry's
-    ``set_priority`` / ``override_policy`` call this and clear its caches.
+    name backends the new order lacks); returns it.
+    :mod:`scaledmm.policy_edits` calls this and clears the registry's caches.
 
     Examples
     --------
@@ -318,8 +324,8 @@ def snapshot() -> dict[str, dict[str, Policy]]:
 
 
 def restore(saved: dict[str, dict[str, Policy]]) -> None:
-    """Put back what :func:`snapshot` returned (the registry's
-    ``policy_snapshot`` also clears its caches).
+    """Put back what :func:`snapshot` returned
+    (``scaledmm.backends.policy_snapshot`` also clears the registry's caches).
 
     Examples
     --------
