@@ -7,7 +7,9 @@ PNG plots and ``<out>/meta.json``; ``--write-results`` also replaces the
 family's section of ``benchmarks/RESULTS.md``.
 
 ``python -m benchmarks sanitize [--only PATTERN] [--list]`` runs
-compute-sanitizer over every kernel instead (``benchmarks/sanitize.py``).
+compute-sanitizer over every kernel instead (``benchmarks/sanitize.py``);
+``python -m benchmarks sweep --kernel NAME`` times every candidate config of
+one kernel for ``python -m benchmarks.tune --kernel`` (``benchmarks/sweep.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks",
         description="Check and time scaledmm's backends against cuBLAS/torch baselines.",
         epilog=f"shape sets: {', '.join(SHAPE_SETS)}; default M sweep: {','.join(map(str, DEFAULT_M))}.  "
-               "'python -m benchmarks sanitize --help': compute-sanitizer over every kernel.",
+               "'python -m benchmarks sanitize --help': compute-sanitizer over every kernel; "
+               "'python -m benchmarks sweep --help': time a kernel's candidate configs.",
     )
     p.add_argument("family", choices=(*FAMILIES, *WORKLOADS, "all"),
                    help="op family to benchmark ('all': every op family; 'model': decoder layers and generate)")
@@ -118,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         from .sanitize import main as sanitize_main
 
         return sanitize_main(argv[1:])
+    if argv[:1] == ["sweep"]:
+        from .sweep import main as sweep_main
+
+        return sweep_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

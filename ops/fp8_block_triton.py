@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from scaledmm import backends, env, kernel_tuning
+from scaledmm import backends, kernel_tuning
 from scaledmm import validation as V
 from scaledmm.backends import Backend, Problem
 from scaledmm.oplib import FP8_DTYPE
@@ -65,7 +65,6 @@ __all__ = [
     "mm",
     "linear",
     "precompile",
-    "autotune",
     "is_supported",
     "can_implement",
 ]
@@ -181,7 +180,7 @@ def smem_bytes(cfg: MMConfig, a_bytes: int = 1) -> int:
 
 
 def config_ok(cfg: MMConfig, m: int, n: int, k: int, fused: bool = False) -> tuple[bool, str]:
-    """The one validity predicate: dispatch, autotuning and tests all call it.
+    """The one validity predicate: dispatch, the sweep and tests all call it.
 
     ``fused`` says the A tiles are bf16/fp16 (quantized inside the GEMM).
 
@@ -264,7 +263,6 @@ def m_bucket_max(m: int) -> int:
     return M_BUCKETS[b] if b < len(M_BUCKETS) else kernel_tuning.LAST_M
 
 
-_AUTOTUNED: dict[tuple, MMConfig] = {}
 _WARMED: list = []  # kernels compiled by precompile(), loaded when it ends
 
 
@@ -291,7 +289,7 @@ def _split_for(m: int, n: int, k: int, bm: int, bn: int, num_sms: int) -> int:
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132, fused: bool = False,
                    sm90: bool = True) -> MMConfig:
-    """The fixed config for an M bucket, keyed also by N and K (no autotuning,
+    """The fixed config for an M bucket, keyed also by N and K (no timing,
     so a first call inside a CUDA-graph capture launches at once).
 
     Examples
@@ -317,7 +315,14 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132, fused: bool = Fal
 
 
 def candidate_configs(m: int, n: int, k: int, num_sms: int = 132, fused: bool = False) -> list[MMConfig]:
-    """A short list per bucket (sm90) for the autotuner and the device benchmark."""
+    """A short list per bucket (sm90): what ``python -m benchmarks sweep
+    --kernel fp8_block_triton`` times.
+
+    Examples
+    --------
+    >>> all(config_ok(c, 1, 2112, 7168)[0] for c in candidate_configs(1, 2112, 7168))
+    True
+    """
     b = m_bucket(m)
     if b <= 1:
         bms = (16,) if b == 0 else (32, 64)
@@ -532,19 +537,8 @@ def _descriptor(t: torch.Tensor, rows: int):
     return TensorDescriptor.from_tensor(t, [rows, BLOCK_K])
 
 
-def _autotune_enabled() -> bool:
-    return env.fp8_block_triton_autotune()
-
-
 def _pick_config(a, b, m, n, k, fused: bool, out_dtype) -> MMConfig:
     num_sms = _num_sms(a.device)
-    if _autotune_enabled() and a.device.type == "cuda":
-        key = (m_bucket(m), n, k, fused, out_dtype)
-        cfg = _AUTOTUNED.get(key)
-        if cfg is None and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
-            cfg = _AUTOTUNED[key] = autotune(m, n, k, a.device, fused, out_dtype)
-        if cfg is not None:
-            return cfg
     return _default_cached(m, n, k, num_sms, fused, _capability(a.device) >= (9, 0) or a.device.type == "cpu")
 
 
@@ -702,29 +696,6 @@ def precompile(n: int, k: int, device: torch.device, ms=(1, 16, 64, 128, 512, 10
             kern._init_handles()
     _WARMED.clear()
     return jobs
-
-
-def autotune(m: int, n: int, k: int, device: torch.device, fused: bool = False,
-             out_dtype: torch.dtype = torch.bfloat16) -> MMConfig:
-    """The fastest of :func:`candidate_configs` on random operands (median of
-    ``do_bench``).  Used when ``SCALEDMM_FP8_BLOCK_TRITON_AUTOTUNE=1``, cached per
-    (M bucket, N, K, fused, out dtype); never during CUDA-graph capture."""
-    from triton.testing import do_bench
-
-    gen = torch.Generator(device=device).manual_seed(0)
-    kb = V.ceil_div(k, BLOCK_K)
-    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, k, device=device, generator=gen).to(FP8_DTYPE)
-    bs = torch.rand(V.ceil_div(n, BLOCK_K), kb, device=device, generator=gen) + 0.5
-    a, sa = (x, None) if fused else (x.to(FP8_DTYPE), torch.rand(m, kb, device=device, generator=gen) + 0.5)
-    timed = []
-    for cfg in candidate_configs(m, n, k, _num_sms(device), fused):
-        fn = functools.partial(run_mm, a, b, sa, bs, out_dtype, None, cfg, fused)
-        try:
-            timed.append((do_bench(fn, warmup=5, rep=20, return_mode="median"), cfg))
-        except Exception:  # a config that does not compile or fit here: skip it
-            continue
-    return min(timed, key=lambda t: t[0])[1] if timed else default_config(m, n, k, _num_sms(device), fused)
 
 
 # ----------------------------------------------------------------------------

@@ -13,7 +13,8 @@ Read top to bottom:
 2. the e2m1 decoders: plain Triton (runs in the interpreter) and inline PTX
    (GPU only, about 2.5 instructions per element);
 3. the GEMM config space: :class:`GemmConfig`, its one validity predicate
-   :func:`config_ok`, the fixed default per M bucket, optional autotuning;
+   :func:`config_ok`, the tuned config per shape and M bucket, the
+   candidates ``python -m benchmarks sweep --kernel nvfp4_triton`` times;
 4. the GEMM kernel (W4A4 and W4A16 share it) and its launcher;
 5. backend registration, public functions.
 
@@ -22,18 +23,14 @@ The quantizer (``nvfp4_quant``, bit-identical to SPEC's rule: its kernel,
 ``QUANT_CANDIDATES`` and :func:`quant`) lives in ``ops/nvfp4_triton_quant.py``;
 this module registers it and re-exports those names.
 
-Environment knobs: ``SCALEDMM_NVFP4_TRITON_AUTOTUNE=1`` benchmarks the
-candidate configs once per (op, M bucket, N, K, dtypes) outside CUDA-graph
-capture; ``SCALEDMM_NVFP4_TRITON_DECODE=triton`` forces the plain-Triton
-decoder on the GPU (a fallback should the PTX decoder misbehave).
+Environment knob: ``SCALEDMM_NVFP4_TRITON_DECODE=triton`` forces the
+plain-Triton decoder on the GPU (a fallback should the PTX decoder misbehave).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
-
 import torch
 import triton
 import triton.language as tl
@@ -359,7 +356,7 @@ def smem_estimate(cfg: GemmConfig, w4a16: bool) -> int:
 
 
 def config_ok(cfg: GemmConfig, p: Problem, device: torch.device | None = None) -> tuple[bool, str]:
-    """The one validity predicate of the config space (dispatch, autotune and
+    """The one validity predicate of the config space (dispatch, the sweep and
     tests all use it)."""
     w4a16 = bool(p.opt("w4a16"))
     dev = device if device is not None else p.device
@@ -393,8 +390,8 @@ def m_bucket(m: int) -> int:
     return 0 if m <= 16 else 1 if m <= 64 else 2 if m <= 256 else 3
 
 
-# Fixed defaults per M bucket (no autotuning inside CUDA-graph capture),
-# in scaledmm/tuning/kernels/nvfp4_triton_sm90.json.
+# Defaults per M bucket (and tuned rows per shape) in
+# scaledmm/tuning/kernels/nvfp4_triton_sm90.json.
 # Small M streams the weight and is bound by issue latency, not bytes:
 # block_k=256 (154 registers) fits one 4-warp CTA per SM, so every dependent
 # instruction waits; block_k=128 needs 91 registers (sm90 SASS): 4-5 CTAs per
@@ -505,7 +502,8 @@ def default_config(p: Problem) -> GemmConfig:
 
 
 def candidate_configs(p: Problem) -> list[GemmConfig]:
-    """The configs autotuning tries for ``p`` (all valid under :func:`config_ok`)."""
+    """The configs ``python -m benchmarks sweep --kernel nvfp4_triton`` times
+    for ``p`` (all valid under :func:`config_ok`)."""
     b = m_bucket(p.m)
     bm = (16, 64, 128, 256)[b]
     out = []
@@ -521,44 +519,19 @@ def candidate_configs(p: Problem) -> list[GemmConfig]:
     return [c for c in uniq if config_ok(c, p)[0]]
 
 
-AUTOTUNED: dict[tuple, GemmConfig] = {}
+def select_config(op: str, p: Problem) -> GemmConfig:
+    """The config of one ``op`` call (``"nvfp4_mm"`` or ``"nvfp4_w4a16_mm"``;
+    both read the same tuned file): :func:`default_config`.
 
-
-def _autotune_key(op: str, p: Problem) -> tuple:
-    return (op, m_bucket(p.m), p.n, p.k, p.in_dtype, p.out_dtype, p.device)
-
-
-def select_config(op: str, p: Problem, bench: Callable[[GemmConfig], float] | None = None) -> GemmConfig:
-    """Config for one call: a tuned one when ``SCALEDMM_NVFP4_TRITON_AUTOTUNE=1``
-    (tuned on first use outside CUDA-graph capture), else the bucket default."""
-    key = _autotune_key(op, p)
-    if key in AUTOTUNED:
-        return AUTOTUNED[key]
-    tune = env.nvfp4_triton_autotune()
-    if (not tune or bench is None or p.device.type != "cuda"
-            or torch.cuda.is_current_stream_capturing()):
-        return default_config(p)
-    timings = []
-    for cfg in candidate_configs(p):
-        try:
-            timings.append((bench(cfg), cfg.label(), cfg))
-        except Exception:  # a config that fails to compile (resources) is skipped
-            continue
-    best = min(timings)[2] if timings else default_config(p)
-    AUTOTUNED[key] = best
-    return best
-
-
-def _time_us(fn: Callable[[], object], reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.backends import Family
+    >>> select_config("nvfp4_mm", Problem(Family.NVFP4, torch.device("cpu"), 1, 64, 128, torch.uint8,
+    ...                                   torch.bfloat16, 128)).decode
+    'triton'
+    """
+    return default_config(p)
 
 
 # ----------------------------------------------------------------------------
@@ -783,8 +756,7 @@ def mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None):
     ...     out = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, one)
     """
     p = nv.mm_problem(a, b, out_dtype, bias)
-    cfg = select_config("nvfp4_mm", p, lambda c: _time_us(
-        lambda: run_mm(a, b, a_scales, b_scales, alpha, out_dtype, bias, c)))
+    cfg = select_config("nvfp4_mm", p)
     return run_mm(a, b, a_scales, b_scales, alpha, out_dtype, bias, cfg)
 
 
@@ -800,8 +772,7 @@ def w4a16_mm(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None):
     ...     out = torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, torch.tensor(1.0, device="cuda"))
     """
     p = nv.w4a16_problem(x, b, out_dtype, bias)
-    cfg = select_config("nvfp4_w4a16_mm", p, lambda c: _time_us(
-        lambda: run_w4a16(x, b, b_scales, weight_alpha, out_dtype, bias, c)))
+    cfg = select_config("nvfp4_w4a16_mm", p)
     return run_w4a16(x, b, b_scales, weight_alpha, out_dtype, bias, cfg)
 
 

@@ -28,8 +28,8 @@ from typing import Any, Mapping
 
 __all__ = [
     "VARIABLES", "backend_var", "is_switch_var", "raw", "text", "get", "switched_on", "switch_on", "cache_dir",
-    "jit_no_build", "nvcc", "cutlass_include", "fp8_block_triton_autotune", "nvfp4_predecode_w",
-    "nvfp4_triton_decode", "nvfp4_triton_autotune", "skinny_kernel",
+    "jit_no_build", "nvcc", "cutlass_include", "nvfp4_predecode_w",
+    "nvfp4_triton_decode", "skinny_kernel",
 ]
 
 _PREFIX = "SCALEDMM_"
@@ -38,10 +38,8 @@ CACHE_DIR = _PREFIX + "CACHE_DIR"
 JIT_NO_BUILD = _PREFIX + "JIT_NO_BUILD"
 NVCC = _PREFIX + "NVCC"
 CUTLASS_INCLUDE = _PREFIX + "CUTLASS_INCLUDE"
-FP8_BLOCK_TRITON_AUTOTUNE = _PREFIX + "FP8_BLOCK_TRITON_AUTOTUNE"
 NVFP4_PREDECODE_W = _PREFIX + "NVFP4_PREDECODE_W"
 NVFP4_TRITON_DECODE = _PREFIX + "NVFP4_TRITON_DECODE"
-NVFP4_TRITON_AUTOTUNE = _PREFIX + "NVFP4_TRITON_AUTOTUNE"
 SKINNY_KERNEL = _PREFIX + "SKINNY_KERNEL"
 NVFP4_GEMV = _PREFIX + "NVFP4_GEMV"
 NVFP4_MID = _PREFIX + "NVFP4_MID"
@@ -54,11 +52,9 @@ VARIABLES: dict[str, str] = {
     JIT_NO_BUILD: "1/true/yes: a JIT cache miss raises instead of compiling (default unset: build)",
     NVCC: "path of nvcc for the CUTLASS build (default PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)",
     CUTLASS_INCLUDE: "CUTLASS include folder (default the nvidia-cutlass wheel's headers)",
-    FP8_BLOCK_TRITON_AUTOTUNE: "1: the fp8_block Triton GEMM benchmarks its candidate configs per shape (default 0)",
     NVFP4_PREDECODE_W: "1: the nvfp4 Triton GEMM's largest M bucket decodes the weight to 16 bit "
                        "and calls cuBLAS; read at import (default 0)",
     NVFP4_TRITON_DECODE: "forces the nvfp4 Triton decoder: triton, ptx or ptx_direct, CUDA only (default the config's)",
-    NVFP4_TRITON_AUTOTUNE: "non-empty and not 0: the nvfp4 Triton GEMM tunes its config per shape (default 0)",
     SKINNY_KERNEL: "tma: the skinny op uses the TMA-ring kernel; read at import (default reg)",
     NVFP4_GEMV: "0 or empty: cuda_gemv leaves nvfp4 automatic selection (default on)",
     NVFP4_MID: "0 or empty: cuda_mid leaves nvfp4 automatic selection (default on)",
@@ -207,18 +203,6 @@ def cutlass_include() -> str | None:
     return os.environ.get(CUTLASS_INCLUDE)
 
 
-def fp8_block_triton_autotune() -> bool:
-    """``SCALEDMM_FP8_BLOCK_TRITON_AUTOTUNE``: exactly ``"1"`` turns it on.
-
-    Examples
-    --------
-    >>> import os; os.environ[FP8_BLOCK_TRITON_AUTOTUNE] = "true"; fp8_block_triton_autotune()
-    False
-    >>> del os.environ[FP8_BLOCK_TRITON_AUTOTUNE]
-    """
-    return os.environ.get(FP8_BLOCK_TRITON_AUTOTUNE, "0") == "1"
-
-
 def nvfp4_predecode_w() -> bool:
     """``SCALEDMM_NVFP4_PREDECODE_W``: exactly ``"1"`` turns it on.
 
@@ -239,18 +223,6 @@ def nvfp4_triton_decode(default: str) -> str:
     'ptx'
     """
     return os.environ.get(NVFP4_TRITON_DECODE, default)
-
-
-def nvfp4_triton_autotune() -> bool:
-    """``SCALEDMM_NVFP4_TRITON_AUTOTUNE``: on unless unset, empty or ``"0"``.
-
-    Examples
-    --------
-    >>> import os; os.environ[NVFP4_TRITON_AUTOTUNE] = "yes"; nvfp4_triton_autotune()
-    True
-    >>> del os.environ[NVFP4_TRITON_AUTOTUNE]
-    """
-    return os.environ.get(NVFP4_TRITON_AUTOTUNE, "0") not in ("", "0")
 
 
 def skinny_kernel() -> str:

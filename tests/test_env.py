@@ -125,11 +125,8 @@ def test_flag_rules(monkeypatch, value):
         else:
             monkeypatch.setenv(var, value)
 
-    for var in (env.FP8_BLOCK_TRITON_AUTOTUNE, env.NVFP4_PREDECODE_W, env.NVFP4_TRITON_AUTOTUNE):
-        put(var)
-    assert env.fp8_block_triton_autotune() is (value == "1")
+    put(env.NVFP4_PREDECODE_W)
     assert env.nvfp4_predecode_w() is (value == "1")
-    assert env.nvfp4_triton_autotune() is (value not in (None, "", "0"))
 
 
 @pytest.mark.parametrize("value", [None, "", "0", "1", "off", "auto"])
