@@ -149,7 +149,15 @@ KERNELS: dict[str, SweepKernel] = {
 }
 
 
-def _config_class(spec: SweepKernel) -> type:
+def config_class(spec: SweepKernel) -> type:
+    """The config dataclass of a sweep kernel (what its CSV columns name).
+
+    Examples
+    --------
+    >>> from benchmarks import sweep
+    >>> sweep.config_class(sweep.KERNELS["nvfp4_gemv"]).__name__
+    'GemvConfig'
+    """
     module, cls = spec.config.rsplit(".", 1)
     return getattr(importlib.import_module(module), cls)
 
@@ -219,7 +227,7 @@ def sweep(kernel: str, shapes: list[Shape], ms: list[int], device: torch.device,
 
 def write_csv(path: Path, kernel: str, rows: list[tuple[Any, Result]]) -> None:
     """The sweep CSV ``benchmarks/tune_kernel.py`` reads (one row per config and point)."""
-    fields = [f.name for f in dataclasses.fields(_config_class(KERNELS[kernel])) if f.init]
+    fields = [f.name for f in dataclasses.fields(config_class(KERNELS[kernel])) if f.init]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["n", "k", "m", *fields, "median_us", "status", "op", "config", "error", "note"])

@@ -44,7 +44,7 @@ def test_kernels_name_tune_kernels():
 
     for name, spec in sweep.KERNELS.items():
         assert name in tune_kernel.KERNELS
-        cls = sweep._config_class(spec)
+        cls = sweep.config_class(spec)
         assert cls is tune_kernel.KERNELS[name].load()[0]
 
 
@@ -108,7 +108,7 @@ def test_sweep_csv_tunes_to_fastest(monkeypatch, tmp_path, kernel, shape, ms, li
     out = tmp_path / f"{kernel}_cpu.json"
     assert tune.main([str(path), "--kernel", kernel, "--arch", "cpu", "--out", str(out)]) == 0
     spec = sweep.KERNELS[kernel]
-    cls = sweep._config_class(spec)
+    cls = sweep.config_class(spec)
     table = kernel_tuning.load(kernel, "cpu", cls, folder=tmp_path)
     bucket = tune_kernel.KERNELS[kernel].load()[1]
     for m in (int(v) for v in ms.split(",")):
