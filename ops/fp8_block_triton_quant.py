@@ -156,14 +156,20 @@ def _quant_rows(x, eps, UE8M0: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.c
     s = tl.math.div_rn(tl.maximum(amax, eps, propagate_nan=tl.PropagateNan.ALL), 448.0)
     if UE8M0:
         s = _pow2_ceil(s, INTERPRET)
-    return _to_e4m3(x, s[:, None], SOFT_CVT, WIDEN), s
+    return to_e4m3(x, s[:, None], SOFT_CVT, WIDEN, False), s
 
 
 @triton.jit
-def _to_e4m3(x, s, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
-    """e4m3(clamp(x / s, -448, 448)) with fp32 true division; NaN stays NaN.
+def to_e4m3(x, s, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """e4m3(clamp(v, -448, 448)), v in SPEC's order for each op: ``x / s``
+    (true fp32 division; ``per_token_group_quant_fp8``) or, with RECIPROCAL,
+    ``x * (1 / s)`` (an IEEE fp32 reciprocal; ``quant_fp8``).  NaN stays NaN.
     Codes are e4m3 (uint8 bits when WIDEN)."""
-    y = tl.clamp(tl.math.div_rn(x, s), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    if RECIPROCAL:
+        v = x * tl.math.div_rn(1.0, s)
+    else:
+        v = tl.math.div_rn(x, s)
+    y = tl.clamp(v, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     if SOFT_CVT:
         q = e4m3_soft(y)
         if not WIDEN:

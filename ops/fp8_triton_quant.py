@@ -47,7 +47,7 @@ from .fp8_block_triton_quant import (
     _capability,
     _device_gate,
     _device_guard,
-    e4m3_soft,
+    to_e4m3,
     _fp8_mode,
     _next_pow2,
 )
@@ -224,20 +224,6 @@ def _scale_of(amax, floor):
     return tl.math.div_rn(tl.maximum(amax, floor, propagate_nan=tl.PropagateNan.ALL), 448.0)
 
 
-@triton.jit
-def _to_e4m3(x, s, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
-    """e4m3(clamp(x * (1 / s), -448, 448)), SPEC's order (1 / s an IEEE fp32
-    reciprocal); NaN stays NaN.  Codes are e4m3 (uint8 bits when WIDEN)."""
-    y = tl.clamp(x * tl.math.div_rn(1.0, s), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    if SOFT_CVT:
-        q = e4m3_soft(y)
-        if not WIDEN:
-            q = q.to(tl.float8e4nv, bitcast=True)
-    else:
-        q = y.to(tl.float8e4nv)
-    return q
-
-
 @triton.jit(do_not_specialize=["M", "tiles_k", "n_tiles", "n_part", "stride_sm"])
 def scaled_kernel(x_ptr, q_ptr, s_ptr, so_ptr, part_ptr, M, K, stride_xm, stride_sm, tiles_k, n_tiles, n_part,
                    floor, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_SCALE: tl.constexpr,
@@ -261,17 +247,17 @@ def scaled_kernel(x_ptr, q_ptr, s_ptr, so_ptr, part_ptr, M, K, stride_xm, stride
         s = _scale_of(tl.max(p, 0), floor)
         if pid == 0:
             tl.store(so_ptr, s)
-        q = _to_e4m3(x.to(tl.float32), s, SOFT_CVT, WIDEN)
+        q = to_e4m3(x.to(tl.float32), s, SOFT_CVT, WIDEN, True)
     elif ROW_SCALE:
         s = tl.load(s_ptr + rows64 * stride_sm, mask=rmask, other=1.0)
         if pid_k == 0:
             tl.store(so_ptr + rows, s, mask=rmask)
-        q = _to_e4m3(x.to(tl.float32), s[:, None], SOFT_CVT, WIDEN)
+        q = to_e4m3(x.to(tl.float32), s[:, None], SOFT_CVT, WIDEN, True)
     else:
         s = tl.load(s_ptr)
         if pid == 0:
             tl.store(so_ptr, s)
-        q = _to_e4m3(x.to(tl.float32), s, SOFT_CVT, WIDEN)
+        q = to_e4m3(x.to(tl.float32), s, SOFT_CVT, WIDEN, True)
     tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q, mask=mask)
 
 
@@ -314,7 +300,7 @@ def token_kernel(x_ptr, q_ptr, so_ptr, M, K, stride_xm, floor, BLOCK_M: tl.const
         mask = rmask[:, None] & (cols < K)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         s = _scale_of(_row_amax(tl.abs(x)), floor)
-        tl.store(q_rows + cols[None, :], _to_e4m3(x, s[:, None], SOFT_CVT, WIDEN), mask=mask)
+        tl.store(q_rows + cols[None, :], to_e4m3(x, s[:, None], SOFT_CVT, WIDEN, True), mask=mask)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -325,7 +311,7 @@ def token_kernel(x_ptr, q_ptr, so_ptr, M, K, stride_xm, floor, BLOCK_M: tl.const
         for k0 in range(0, K, BLOCK_K):
             mask = rmask[:, None] & ((k0 + cols) < K)[None, :]
             x = tl.load(x_rows + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_rows + (k0 + cols)[None, :], _to_e4m3(x, s[:, None], SOFT_CVT, WIDEN), mask=mask)
+            tl.store(q_rows + (k0 + cols)[None, :], to_e4m3(x, s[:, None], SOFT_CVT, WIDEN, True), mask=mask)
     tl.store(so_ptr + rows, s, mask=rmask)
 
 
