@@ -43,6 +43,17 @@ def fake_sm90(monkeypatch):
 _SEED = pytest.StashKey[int]()
 
 
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty JIT cache folder for this test (builds allowed)."""
+    from scaledmm import jit
+
+    d = tmp_path / "cache"
+    monkeypatch.setenv(jit.ENV_CACHE_DIR, str(d))
+    monkeypatch.delenv(jit.ENV_NO_BUILD, raising=False)
+    return d
+
+
 @pytest.fixture(autouse=True)
 def _seed(request):
     """Seed torch's global RNG afresh for every test (fresh random inputs each

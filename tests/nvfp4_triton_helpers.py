@@ -7,11 +7,25 @@ interpreter child."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from scaledmm.backends import Family, Problem
 from scaledmm.ops import nvfp4_triton as nt
-from helpers import poison_
+from helpers import poison_, run_under_interpreter
+
+INTERP_CHILD_ENV = "SCALEDMM_NVFP4_INTERP_CHILD"
+CHILD = os.environ.get(INTERP_CHILD_ENV) == "1"
+interp = pytest.mark.skipif(not CHILD, reason="runs in the interpreter subprocess (test_interpreter_suite)")
+parent = pytest.mark.skipif(CHILD, reason="main-process test")
+
+
+def run_interpreter_child(test_file: str) -> None:
+    """Re-run ``test_file`` under ``TRITON_INTERPRET=1``, where only its
+    ``@interp`` tests run."""
+    run_under_interpreter(test_file, {INTERP_CHILD_ENV: "1"})
 
 FP8 = torch.float8_e4m3fn
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)

@@ -39,14 +39,6 @@ KERNEL_SOURCE = textwrap.dedent("""
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    d = tmp_path / "cache"
-    monkeypatch.setenv(jit.ENV_CACHE_DIR, str(d))
-    monkeypatch.delenv(jit.ENV_NO_BUILD, raising=False)
-    return d
-
-
-@pytest.fixture
 def kernel_src(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -99,14 +99,6 @@ DAMAGES = {f.__name__.lstrip("_"): f for f in (_truncate_half, _zero_length, _ga
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    d = tmp_path / "cache"
-    monkeypatch.setenv(jit.ENV_CACHE_DIR, str(d))
-    monkeypatch.delenv(jit.ENV_NO_BUILD, raising=False)
-    return d
-
-
-@pytest.fixture
 def new_process(monkeypatch):
     """Forget what this process verified and loaded, as a fresh process would."""
     from scaledmm.jit import nvrtc

@@ -4,17 +4,14 @@ the config space."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 import torch
 
 from scaledmm.ops import nvfp4_triton as nt
-from nvfp4_triton_helpers import triton_problem
+from nvfp4_triton_helpers import CHILD, parent, triton_problem
 
-CHILD = os.environ.get("SCALEDMM_NVFP4_INTERP_CHILD") == "1"
-parent = pytest.mark.skipif(CHILD, reason="main-process test")
 FP8 = torch.float8_e4m3fn
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 

@@ -7,7 +7,6 @@ of ``ops/nvfp4.py``.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -15,9 +14,8 @@ import torch
 import scaledmm
 from scaledmm.ops import nvfp4_triton as nt
 from helpers import opcheck, rel_err
-from nvfp4_triton_helpers import decode, poison_mm_output, ref_mm, same_bits, spec_quant, special_rows
+from nvfp4_triton_helpers import CHILD, decode, poison_mm_output, ref_mm, same_bits, spec_quant, special_rows
 
-CHILD = os.environ.get("SCALEDMM_NVFP4_INTERP_CHILD") == "1"
 # GPU tests run in the main process only (the interpreter child would run them
 # on the interpreter, copying every tensor to the host)
 requires_cuda = pytest.mark.skipif(CHILD or not torch.cuda.is_available(), reason="needs a CUDA device")

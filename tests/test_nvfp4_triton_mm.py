@@ -27,12 +27,12 @@ import scaledmm
 from scaledmm.backends import Family, Problem
 from scaledmm.ops import nvfp4_triton as nt
 from scaledmm.ops import nvfp4_triton_quant as ntq
-from helpers import opcheck, poison_, rel_err, run_under_interpreter
-from nvfp4_triton_helpers import decode, poison_mm_output, Q, QCFGS, QCFGS_STEPS, quantized, ref_mm, triton_problem
+from helpers import opcheck, poison_, rel_err
+from nvfp4_triton_helpers import (
+    CHILD, decode, interp, parent, poison_mm_output, Q, QCFGS, QCFGS_STEPS, quantized, ref_mm,
+    run_interpreter_child, triton_problem,
+)
 
-CHILD = os.environ.get("SCALEDMM_NVFP4_INTERP_CHILD") == "1"
-interp = pytest.mark.skipif(not CHILD, reason="runs in the interpreter subprocess (test_interpreter_suite)")
-parent = pytest.mark.skipif(CHILD, reason="main-process test")
 FP8 = torch.float8_e4m3fn
 
 
@@ -43,7 +43,7 @@ FP8 = torch.float8_e4m3fn
 
 @parent
 def test_interpreter_suite():
-    run_under_interpreter(__file__, {"SCALEDMM_NVFP4_INTERP_CHILD": "1"})
+    run_interpreter_child(__file__)
 
 
 # ----------------------------------------------------------------------------

@@ -15,7 +15,6 @@ of ``ops/nvfp4.py``.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -23,12 +22,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scaledmm.ops import nvfp4_triton as nt
-from helpers import poison_, run_under_interpreter
-from nvfp4_triton_helpers import QCFGS, QCFGS_STEPS, same_bits, spec_quant, special_rows, swizzle, swz_offsets
+from helpers import poison_
+from nvfp4_triton_helpers import (
+    CHILD, interp, parent, QCFGS, QCFGS_STEPS, run_interpreter_child, same_bits, spec_quant, special_rows,
+    swizzle, swz_offsets,
+)
 
-CHILD = os.environ.get("SCALEDMM_NVFP4_INTERP_CHILD") == "1"
-interp = pytest.mark.skipif(not CHILD, reason="runs in the interpreter subprocess (test_interpreter_suite)")
-parent = pytest.mark.skipif(CHILD, reason="main-process test")
 FP8 = torch.float8_e4m3fn
 
 
@@ -39,7 +38,7 @@ FP8 = torch.float8_e4m3fn
 
 @parent
 def test_interpreter_suite():
-    run_under_interpreter(__file__, {"SCALEDMM_NVFP4_INTERP_CHILD": "1"})
+    run_interpreter_child(__file__)
 
 
 # ----------------------------------------------------------------------------
