@@ -88,6 +88,10 @@ def pytest_runtest_makereport(item, call):
     seed = item.stash.get(_SEED, None)
     if seed is not None:
         rep.sections.append(("seed", f"seed={seed} (replay: SCALEDMM_TEST_SEED={seed} pytest '{item.nodeid}')"))
+    log = os.environ.get("SCALEDMM_FAILURE_LOG")
+    if log:  # written as failures happen: a run killed by a time limit still shows why
+        with open(log, "a") as f:
+            f.write(f"\n==== {rep.nodeid} ({call.when}, seed={seed})\n{rep.longreprtext[-6000:]}\n")
     if (call.when == "call" and call.excinfo is not None and torch.cuda.is_initialized()
             and _sticky_cuda_error(call.excinfo)):
         msg = f"sticky CUDA error in {item.nodeid}: {str(call.excinfo.value).splitlines()[0]}"

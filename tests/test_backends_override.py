@@ -21,6 +21,7 @@ from scaledmm import backends
 from scaledmm.backends import Backend, Family
 from scaledmm.layers import Fp8BlockLinear, Fp8Linear, NvFp4Linear, SkinnyLinear
 from scaledmm.ops import fp8_block as fb
+from scaledmm.ops.skinny import MAX_M
 
 # The family's GEMM op: what a GEMM-only backend implements.
 GEMM_OP = {Family.FP8_BLOCK: "fp8_block_mm", Family.FP8: "fp8_scaled_mm", Family.NVFP4: "nvfp4_mm",
@@ -87,10 +88,10 @@ def _skinny(m: int, dev: str):
     x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
     lin = nn.Linear(k, n, bias=False, dtype=torch.bfloat16, device=dev)
     layer = SkinnyLinear.from_float(lin)
-    return [
-        ("dsv3_fused_a_gemm", lambda: torch.ops.scaledmm.dsv3_fused_a_gemm(x, layer.weight)),
-        ("SkinnyLinear", lambda: layer(x)),
-    ]
+    work = [("SkinnyLinear", lambda: layer(x))]  # any M: the layer falls back to F.linear above MAX_M
+    if m <= MAX_M:  # the raw op's contract: at most MAX_M rows
+        work.insert(0, ("dsv3_fused_a_gemm", lambda: torch.ops.scaledmm.dsv3_fused_a_gemm(x, layer.weight)))
+    return work
 
 
 WORKLOADS = {Family.FP8_BLOCK: _fp8_block, Family.FP8: _fp8, Family.NVFP4: _nvfp4, Family.SKINNY: _skinny}
