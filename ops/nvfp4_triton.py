@@ -450,6 +450,9 @@ def grid_sms(device: torch.device) -> int:
     return _device.sm_count(device, cpu=8)
 
 
+AUTO_SPLIT = 0  # a tuning-file row's split_k that asks default_config's rule for it
+
+
 def split_for(cfg: GemmConfig, m: int, n: int, k: int, device: torch.device,
               ctas_per_sm: int = CTAS_PER_SM) -> int:
     """Deterministic split-K: double it while the grid has fewer than
@@ -482,10 +485,21 @@ def _portable(cfg: GemmConfig, p: Problem) -> GemmConfig:
 
 
 def default_config(p: Problem) -> GemmConfig:
-    """The fixed config of ``p``'s M bucket, with a deterministic split-K."""
+    """The config of ``p``'s shape and M: a tuned per-shape row as measured, or
+    its M bucket's default row with split-K and the activation pre-decode set
+    by rule (the default rows say ``split_k: 0``, :data:`AUTO_SPLIT`)."""
     cfg = _portable(bucket_config(p), p)
     if cfg.predecode_w and not config_ok(cfg, p)[0]:  # fp32 output: the kernel
         cfg = dataclasses.replace(cfg, predecode_w=False)
+    if cfg.split_k == AUTO_SPLIT:
+        cfg = _rule_split(cfg, p)
+    ok, why = config_ok(cfg, p)
+    if not ok:  # keep dispatch total: fall back to the smallest config
+        cfg = _rule_split(_portable(kernel_tuning.load("nvfp4_triton", "sm90", GemmConfig).default[0][1], p), p)
+    return cfg
+
+
+def _rule_split(cfg: GemmConfig, p: Problem) -> GemmConfig:
     split = split_for(cfg, p.m, p.n, p.k, p.device)
     if m_bucket(p.m) == 1 and not p.opt("w4a16"):
         # Measured on the H200 (llama8b): half the split (>= 2) is 10-20 %
@@ -494,11 +508,7 @@ def default_config(p: Problem) -> GemmConfig:
         split = split // 2 if split >= 4 else split
         if -(-p.n // cfg.block_n) >= 2 * grid_sms(p.device):
             cfg = dataclasses.replace(cfg, predecode_x=True)
-    cfg = dataclasses.replace(cfg, split_k=split)
-    ok, why = config_ok(cfg, p)
-    if not ok:  # keep dispatch total: fall back to the smallest config
-        cfg = _portable(kernel_tuning.load("nvfp4_triton", "sm90", GemmConfig).default[0][1], p)
-    return cfg
+    return dataclasses.replace(cfg, split_k=split)
 
 
 def candidate_configs(p: Problem) -> list[GemmConfig]:

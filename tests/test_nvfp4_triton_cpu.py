@@ -4,6 +4,7 @@ the config space."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -168,9 +169,25 @@ def test_default_and_candidate_configs_are_valid():
     for m, b in ((1, 0), (16, 0), (17, 1), (64, 1), (65, 2), (256, 2), (257, 3)):
         assert nt.m_bucket(m) == b
     for b, cfg in nt.DEFAULT_CONFIGS.items():
+        assert cfg.split_k == nt.AUTO_SPLIT  # bucket defaults: split-K by rule
         for w4a16 in (False, True):
-            ok, why = nt.config_ok(cfg, triton_problem(16, w4a16=w4a16, device="cuda"), torch.device("cuda"))
+            p = triton_problem(16, w4a16=w4a16, device="cuda")
+            ok, why = nt.config_ok(dataclasses.replace(cfg, split_k=1), p, torch.device("cuda"))
             assert ok, (b, why)
+
+
+def test_tuned_row_is_used_as_measured(monkeypatch):
+    """A per-shape row's split_k and predecode_x are the kernel's; only the
+    bucket defaults (split_k 0) get the rule's."""
+    from scaledmm import kernel_tuning
+
+    p = triton_problem(40)  # bucket 1: the rule halves the split and may predecode
+    ruled = nt.default_config(p)
+    table = kernel_tuning.load("nvfp4_triton", "sm90", nt.GemmConfig)
+    row = dataclasses.replace(table.default[1][1], split_k=1, predecode_x=not ruled.predecode_x)
+    monkeypatch.setattr(type(table), "lookup", lambda self, n, k, m: row)
+    got = nt.default_config(p)
+    assert (got.split_k, got.predecode_x) == (1, row.predecode_x) != (ruled.split_k, ruled.predecode_x)
 
 
 @parent
