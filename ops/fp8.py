@@ -316,8 +316,6 @@ def _cublas_supported(device: torch.device) -> tuple[bool, str]:
 
 
 def _cublas_can_implement(p: Problem) -> tuple[bool, str]:
-    if p.opt("quant") is not None:  # a quant_fp8 problem: torch math, no GEMM alignment
-        return True, "quant_fp8: torch math (no cuBLAS kernel involved)"
     if p.k % ALIGN_K != 0 or p.n % ALIGN_N != 0:
         return False, f"needs K % {ALIGN_K} == 0 and N % {ALIGN_N} == 0, got N={p.n}, K={p.k}"
     if not p.opt("b_aligned", True):
@@ -398,9 +396,8 @@ backends.register(Backend(
 ))
 backends.register(Backend(
     FAMILY, "cublas",
-    # cuBLAS has no quantize kernel: the torch-math one serves this backend too,
-    # so forcing the family to "cublas" keeps whole layers running.
-    impls={"quant_fp8": reference_quant, "fp8_scaled_mm": cublas_mm},
+    # no quantize kernel: forcing "cublas" leaves quant_fp8 to automatic selection
+    impls={"fp8_scaled_mm": cublas_mm},
     is_supported=_cublas_supported,
     can_implement=_cublas_can_implement,
     description="torch._scaled_mm: per-tensor or row-wise scales, bias fused when cuBLASLt can",
