@@ -248,7 +248,8 @@ def test_gpu_backends_are_planned_on_the_m_they_take():
     for op, backend in (("fp8_block_mm", "cutlass"), ("nvfp4_mm", "triton"), ("fp8_block_linear", "composite"),
                         ("quant_fp8", "triton"), ("dsv3_fused_a_gemm", "fused_a")):
         assert (op, backend) in gpu_cases
-    assert ("fp8_scaled_mm", "triton") not in gpu_cases  # the fp8 Triton backend only quantizes
+    assert ("fp8_scaled_mm", "triton") in gpu_cases  # the fp8_block kernel with row/column scales
+    assert plan("fp8_scaled_mm", "triton") == every
 
 
 def test_held_walk_finds_what_an_op_could_keep(monkeypatch):

@@ -11,7 +11,9 @@
   swap-AB (weight rows on the MMA's M side: small M), TMA, a persistent grid,
   warp specialization; ``QUANT_A`` quantizes a bf16/fp16 activation tile in
   registers (``fp8_block_linear``, the quant module's ``_quant_rows``),
-  bit-identical to the quant op + GEMM.
+  bit-identical to the quant op + GEMM.  ``ROWCOL`` serves ``fp8_scaled_mm``
+  (launcher: ``ops/fp8_triton_mm.py``): raw fp32 sums, times ``sa[m] * sb[n]``
+  once after the K loop.
 * ``splitk_reduce_kernel`` (``ops/fp8_block_triton_splitk.py``, with the
   one-launch tile counters): sums split-K partials (+ bias), rounds once.
   ``MMConfig.one_launch`` folds that second launch into ``mm_kernel``: the
@@ -384,9 +386,13 @@ def _mm_tile(a, b, a_s, b_s, M, N, K, off_m, off_n, kb_lo, kb_hi,
              stride_am, stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              SWAP_AB: tl.constexpr, QUANT_A: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
-             EVEN_K: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr):
+             EVEN_K: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr,
+             ROWCOL: tl.constexpr):
     """fp32 accumulator of one output tile over K blocks [kb_lo, kb_hi)
-    ([BLOCK_N, BLOCK_M] when SWAP_AB)."""
+    ([BLOCK_N, BLOCK_M] when SWAP_AB).  ROWCOL: one scale per row of ``a``
+    (``a_s[m * stride_asm]``) and of ``b`` (``b_s[n * stride_bsn]``; stride 0:
+    per-tensor), applied once to the raw sum (the scaling is linear, so a
+    split's partial may be scaled alone)."""
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -421,17 +427,27 @@ def _mm_tile(a, b, a_s, b_s, M, N, K, off_m, off_n, kb_lo, kb_hi,
             b_t = tl.load(b_rows + k0, mask=n_mask[:, None] & (offs_k + k0 < K)[None, :], other=0.0)
         if QUANT_A:
             a_t, sa = _quant_rows(a_t.to(tl.float32), eps, False, SOFT_CVT, WIDEN, INTERPRET)
-        else:
+        elif not ROWCOL:
             sa = tl.load(as_rows + kb * stride_ask, mask=m_mask, other=0.0)
-        if BLOCK_N <= 128:
-            sb = tl.load(bs_ptr + kb * stride_bsk)
-        else:
-            sb = tl.load(bs_ptr + kb * stride_bsk, mask=n_mask, other=0.0)
+        if not ROWCOL:
+            if BLOCK_N <= 128:
+                sb = tl.load(bs_ptr + kb * stride_bsk)
+            else:
+                sb = tl.load(bs_ptr + kb * stride_bsk, mask=n_mask, other=0.0)
         if WIDEN:  # sm80: fp16 operands hold value * 2**-8 each
             a_t = fp16_from_e4m3(a_t)
             b_t = fp16_from_e4m3(b_t)
-            sa = sa * 65536.0
-        if SWAP_AB:
+            if not ROWCOL:
+                sa = sa * 65536.0
+        if ROWCOL:
+            # sm90's fp8 MMA accumulates with reduced precision: each K block's
+            # MMA sum is added to the fp32 acc (as cuBLAS does without fast
+            # accumulation); the limit keeps that if Triton folds the add in.
+            if SWAP_AB:
+                acc += tl.dot(b_t, tl.trans(a_t), max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc += tl.dot(a_t, tl.trans(b_t), max_num_imprecise_acc=BLOCK_K)
+        elif SWAP_AB:
             if BLOCK_N <= 128:
                 acc += tl.dot(b_t, tl.trans(a_t)) * (sb * sa)[None, :]
             else:
@@ -441,6 +457,15 @@ def _mm_tile(a, b, a_s, b_s, M, N, K, off_m, off_n, kb_lo, kb_hi,
                 acc += tl.dot(a_t, tl.trans(b_t)) * (sa * sb)[:, None]
             else:
                 acc += tl.dot(a_t, tl.trans(b_t)) * (sa[:, None] * sb[None, :])
+    if ROWCOL:
+        sa = tl.load(as_rows, mask=m_mask, other=0.0)
+        sb = tl.load(b_s + offs_n * stride_bsn, mask=n_mask, other=0.0)
+        if WIDEN:
+            sa = sa * 65536.0
+        if SWAP_AB:
+            acc = acc * (sb[:, None] * sa[None, :])
+        else:
+            acc = acc * (sa[:, None] * sb[None, :])
     return acc
 
 
@@ -494,7 +519,7 @@ def mm_kernel(a, b, c, ws, a_s, b_s, bias, counters, M, N, K, split_k,
                QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
                EVEN_K: tl.constexpr, PERSISTENT: tl.constexpr,
                WARP_SPEC: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               INTERPRET: tl.constexpr, ROWCOL: tl.constexpr = False):
     kb_total = tl.cdiv(K, BLOCK_K)
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -504,7 +529,7 @@ def mm_kernel(a, b, c, ws, a_s, b_s, bias, counters, M, N, K, split_k,
             acc = _mm_tile(a, b, a_s, b_s, M, N, K, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, kb_total,
                            stride_am, stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
                            BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, QUANT_A, A_TMA, B_TMA, EVEN_K,
-                           SOFT_CVT, WIDEN, INTERPRET)
+                           SOFT_CVT, WIDEN, INTERPRET, ROWCOL)
             _mm_store(acc, c, ws, bias, counters, M, N, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, 1, tile, stride_cm,
                       BLOCK_M, BLOCK_N, SWAP_AB, False, False, HAS_BIAS)
     else:
@@ -516,7 +541,7 @@ def mm_kernel(a, b, c, ws, a_s, b_s, bias, counters, M, N, K, split_k,
         acc = _mm_tile(a, b, a_s, b_s, M, N, K, pid_m * BLOCK_M, pid_n * BLOCK_N, kb_lo, kb_hi,
                        stride_am, stride_bn, stride_asm, stride_ask, stride_bsn, stride_bsk, eps,
                        BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, QUANT_A, A_TMA, B_TMA, EVEN_K,
-                       SOFT_CVT, WIDEN, INTERPRET)
+                       SOFT_CVT, WIDEN, INTERPRET, ROWCOL)
         _mm_store(acc, c, ws, bias, counters, M, N, pid_m * BLOCK_M, pid_n * BLOCK_N, pid_k, split_k,
                   tl.program_id(0), stride_cm, BLOCK_M, BLOCK_N, SWAP_AB, SPLIT, ONE_LAUNCH, HAS_BIAS)
 
@@ -550,7 +575,21 @@ def _default_cached(m: int, n: int, k: int, num_sms: int, fused: bool, sm90: boo
 
 
 def run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, quant_a: bool,
-            eps: float = 1e-10, warmup: bool = False) -> torch.Tensor:
+            eps: float = 1e-10, warmup: bool = False, rowcol: bool = False) -> torch.Tensor:
+    """Launch ``mm_kernel`` (+ the split-K reduce) on checked arguments.
+
+    ``rowcol``: ``a_scales`` ``[M, 1]`` and ``b_scales`` ``[N, 1]`` views, one
+    scale per row (row stride 0: one for all), instead of K-block scales
+    (``ops/fp8_triton_mm.py``, the ``fp8_scaled_mm`` launcher).
+
+    Examples
+    --------
+    >>> a = torch.ones(2, 256, device="cuda").to(FP8_DTYPE)  # doctest: +SKIP
+    >>> b = torch.ones(128, 256, device="cuda").to(FP8_DTYPE)  # doctest: +SKIP
+    >>> run_mm(a, b, torch.ones(2, 2, device="cuda"), torch.ones(1, 2, device="cuda"), torch.bfloat16,
+    ...        None, None, quant_a=False)[0, 0].item()  # doctest: +SKIP
+    256.0
+    """
     m, k = a.shape
     n = b.shape[0]
     out = base.mm_output(a, b, out_dtype)
@@ -600,7 +639,7 @@ def run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, quan
             SPLIT=split > 1, ONE_LAUNCH=one_launch, SWAP_AB=cfg.swap_ab, QUANT_A=quant_a, HAS_BIAS=bias is not None,
             A_TMA=a_tma, B_TMA=b_tma, EVEN_K=k % BLOCK_K == 0, PERSISTENT=cfg.persistent,
             WARP_SPEC=cfg.warp_specialize,
-            SOFT_CVT=soft, WIDEN=widen, INTERPRET=_INTERPRET,
+            SOFT_CVT=soft, WIDEN=widen, INTERPRET=_INTERPRET, ROWCOL=rowcol,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if split > 1 and not one_launch:
             block = 1024

@@ -1,9 +1,10 @@
 """FP8 activation quantizer in Triton: ``quant_fp8`` of backend ``triton`` of
 the ``fp8`` family (SPEC.md "FP8 per-tensor / per-channel GEMM").
 
-The backend implements only ``quant_fp8``; ``fp8_scaled_mm`` stays on cuBLAS
-(the registry skips a backend that lacks an op's impl, so the CUDA priority
-list ``["triton", "cublas", ...]`` gives quant -> triton, GEMM -> cublas).
+The backend registered here also holds ``fp8_scaled_mm``: the fp8_block
+Triton GEMM with per-row / per-column scales (``ops/fp8_triton_mm.py``, which
+has its ``can_implement``).  Where it sits against cuBLAS in automatic
+selection is the policy data (``scaledmm/tuning/fp8_<arch>.json``).
 Every mode is bit-identical to ``ops.fp8.reference_quant``: ``x * (1 / s)``
 with the reciprocal an IEEE fp32 division (``div_rn``) once per scale, clamp
 to +-448 with NaN kept, round to nearest even e4m3.
@@ -40,6 +41,7 @@ from scaledmm.backends import Backend, Problem
 from scaledmm.oplib import FP8_MAX
 
 from . import fp8 as base
+from . import fp8_triton_mm
 # Shared with the fp8_block quantizer: how e4m3 is encoded on a device (and
 # the interpreter patch, applied when that module is imported).
 from .fp8_block_triton_quant import (
@@ -102,11 +104,21 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
 
 
 def can_implement(p: Problem) -> tuple[bool, str]:
-    """``quant_fp8`` problems only (``p.opt("quant")`` names the mode); any M,
-    K and row stride."""
+    """``quant_fp8`` problems (``p.opt("quant")`` names the mode: any M, K and
+    row stride); ``fp8_scaled_mm`` problems (no ``quant`` option) answer
+    ``fp8_triton_mm.can_implement``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.backends import Family, Problem
+    >>> can_implement(Problem(Family.FP8, torch.device("cpu"), 4, 0, 64, torch.bfloat16,
+    ...                       torch.float8_e4m3fn, 64, (("quant", "per_token"),)))
+    (True, 'per_token: any M, K, row stride')
+    """
     mode = p.opt("quant")
     if mode is None:
-        return False, "implements only quant_fp8 (fp8_scaled_mm runs on cublas)"
+        return fp8_triton_mm.can_implement(p)
     if mode not in MODES:
         return False, f"quant mode one of {MODES}, got {mode!r}"
     if p.in_dtype not in IN_DTYPES:
@@ -416,8 +428,9 @@ assert FP8_MAX == 448.0  # the kernels hard-code e4m3's largest finite value
 
 backends.register(Backend(
     base.FAMILY, NAME,
-    impls={"quant_fp8": _quant_op},
+    impls={"quant_fp8": _quant_op, "fp8_scaled_mm": fp8_triton_mm.mm},
     is_supported=is_supported,
     can_implement=can_implement,
-    description="Triton quant_fp8 only (static / per-token / per-tensor); fp8_scaled_mm stays on cublas",
+    description="Triton quant_fp8 (static / per-token / per-tensor) and fp8_scaled_mm (fp8_block GEMM, "
+                "row/column scales after the K loop; any M, split-K / swap-AB small-M tiles)",
 ))

@@ -9,7 +9,8 @@ Three groups:
   (NaN codes included), outputs poisoned before the kernels write them.
 * CPU tests in the main process: the config space, ``can_implement``, and the
   registry's choice on a (pretend) sm90 device: quant_fp8 -> triton,
-  fp8_scaled_mm -> cublas.
+  fp8_scaled_mm -> cublas (triton when requested; its GEMM is
+  tests/test_fp8_triton_mm.py).
 * GPU tests (main process, skipped without CUDA): full shapes, odd M, strided
   rows, NaN/Inf, poisoned outputs, CUDA-graph capture, compile, opcheck, and
   the real selection.
@@ -244,37 +245,40 @@ def test_bad_config_names_the_argument():
 
 
 @parent
-def test_can_implement_only_quant():
+def test_can_implement_quant_modes():
     def p(mode, dtype=torch.bfloat16):
         opts = () if mode is None else (("quant", mode),)
         return Problem(Family.FP8, torch.device("cpu"), 4, 0, 64, dtype, FP8, 64, opts)
 
     for mode in Q.MODES:
         assert Q.can_implement(p(mode))[0]
-    ok, why = Q.can_implement(p(None))
-    assert not ok and "quant_fp8" in why
+    ok, why = Q.can_implement(p(None))  # no quant mode: an fp8_scaled_mm problem, and bf16 is no GEMM operand
+    assert not ok and "e4m3" in why
     assert not Q.can_implement(p("per_token", torch.int8))[0]
     b = backends.get("fp8", "triton")
-    assert set(b.impls) == {"quant_fp8"}
+    assert set(b.impls) == {"quant_fp8", "fp8_scaled_mm"}
 
 
 @parent
 def test_selection_on_sm90_quant_triton_gemm_cublas(monkeypatch):
-    """The registry walk on a pretend sm90 device: quant_fp8 takes triton,
-    fp8_scaled_mm skips it (no impl) and takes cublas."""
+    """The registry walk on a pretend sm90 device: quant_fp8 takes triton
+    (cublas has no quantizer), fp8_scaled_mm takes cublas (first in the
+    order) unless triton is requested."""
     dev = torch.device("cuda", 0)
     backends.invalidate()
     monkeypatch.setattr(backends, "arch_key", lambda d: "sm90" if d.type == "cuda" else d.type)
     monkeypatch.setattr(backends, "supported_on", lambda b, d: (True, "pretend"))
     try:
-        assert backends.priority("fp8", dev)[0] == "triton"
+        assert backends.priority("fp8", dev)[:2] == ["cublas", "triton"]
         pq = Problem(Family.FP8, dev, 7, 0, 7168, torch.bfloat16, FP8, 7168, (("quant", "per_token"),))
         assert backends.select(pq, "quant_fp8").name == "triton"
         pm = Problem(Family.FP8, dev, 7, 2112, 7168, FP8, torch.bfloat16, 7168,
                      (("scale_a", "token"), ("scale_b", "channel"), ("bias_dtype", None), ("b_aligned", True)))
         assert backends.select(pm, "fp8_scaled_mm").name == "cublas"
-        with scaledmm.use_backend("fp8", "triton"):  # not its op: auto-selected as without the request
-            assert backends.select(pm, "fp8_scaled_mm").name == "cublas"
+        with scaledmm.use_backend("fp8", "triton"):
+            assert backends.select(pm, "fp8_scaled_mm").name == "triton"
+        with scaledmm.use_backend("fp8", "cublas"):  # not its op: auto-selected as without the request
+            assert backends.select(pq, "quant_fp8").name == "triton"
     finally:
         monkeypatch.undo()  # the real probe cache first: invalidate() clears it
         backends.invalidate()
@@ -492,7 +496,7 @@ def test_cuda_selects_triton_for_quant_cublas_for_gemm():
     assert ok, why
     text = backends.report(file=io.StringIO())
     cuda_fp8 = text.split("== cuda")[1].split("  fp8:")[1].split("  nvfp4:")[0]
-    assert "[yes] triton" in cuda_fp8 and "auto order ['triton', 'cublas'" in "  fp8:" + cuda_fp8
+    assert "[yes] triton" in cuda_fp8 and "auto order ['cublas', 'triton'" in "  fp8:" + cuda_fp8
 
 
 @requires_cuda
