@@ -551,9 +551,11 @@ def mm_kernel(a, b, c, ws, a_s, b_s, bias, counters, M, N, K, split_k,
 # ----------------------------------------------------------------------------
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned base and row stride."""
-    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(-1) == 1
+def tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs a 16-byte aligned base and row stride, and rows that do not
+    overlap (a broadcast row, stride 0, takes the pointer path)."""
+    return (t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(-1) == 1
+            and t.stride(0) >= t.shape[1])
 
 
 def _descriptor(t: torch.Tensor, rows: int):
@@ -605,8 +607,8 @@ def run_mm(a, b, a_scales, b_scales, out_dtype, bias, cfg: MMConfig | None, quan
         V.fail("fp8_block_mm", "config", "a valid MMConfig", f"{cfg} ({why})")
     soft, widen = _fp8_mode(dev)
     hopper_tma = dev.type == "cpu" or _capability(dev) >= (9, 0)
-    a_tma = cfg.tma and hopper_tma and _tma_ok(a)
-    b_tma = cfg.tma and hopper_tma and _tma_ok(b)
+    a_tma = cfg.tma and hopper_tma and tma_ok(a)
+    b_tma = cfg.tma and hopper_tma and tma_ok(b)
     a_arg = _descriptor(a, cfg.block_m) if a_tma else bytes_view(a, widen)
     b_arg = _descriptor(b, cfg.block_n) if b_tma else bytes_view(b, widen)
     split = cfg.split_k

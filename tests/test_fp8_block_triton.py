@@ -45,6 +45,21 @@ if INNER is None:
         r = _child("codegen", [__file__], 600)
         assert r.returncode == 0 and "codegen ok" in r.stdout, (r.stdout[-6000:] + r.stderr[-3000:])
 
+    def test_tma_only_for_aligned_non_overlapping_rows():
+        """A TMA descriptor needs a 16-byte aligned base and row stride and
+        rows that do not overlap; anything else takes the pointer path."""
+        from scaledmm.ops import fp8_block_triton as T
+
+        buf = torch.zeros(4096, dtype=torch.uint8)
+        base_off = (-buf.data_ptr()) % 16  # a 16-byte aligned start inside buf
+        a = buf[base_off:base_off + 8 * 256].view(8, 256)
+        assert T.tma_ok(a)
+        assert T.tma_ok(buf[base_off:base_off + 8 * 272].view(8, 272)[:, :256])  # padded rows
+        assert not T.tma_ok(buf[base_off + 1:base_off + 1 + 8 * 256].view(8, 256))  # base
+        assert not T.tma_ok(buf[base_off:base_off + 8 * 264].view(8, 264)[:, :256])  # 264-byte rows
+        assert not T.tma_ok(a[:1].expand(8, 256))  # broadcast row: stride 0
+        assert not T.tma_ok(a.t())  # column-major
+
     def test_cublas_scale_layouts(monkeypatch):
         """The strides torch._scaled_mm checks (v1: ScaledBlas.cpp) and cuBLASLt's
         padded 128x128 layout (v2), built on the CPU."""
