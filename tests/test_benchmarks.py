@@ -260,7 +260,7 @@ def test_every_family_runs_and_its_reference_passes_the_gate(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "## summary: auto vs baselines" in out
     seen = set()
-    for fam in ("fp8_block", "fp8", "nvfp4", "skinny", "quant"):
+    for fam in ("fp8_block", "fp8_block_linear", "fp8", "nvfp4", "skinny", "quant"):
         path = tmp_path / f"{fam}.csv"
         if not path.exists():  # op not written yet: skipped with a message
             assert f"## {fam}" in out and "SKIPPED" in (tmp_path / f"{fam}.md").read_text()
@@ -270,7 +270,7 @@ def test_every_family_runs_and_its_reference_passes_the_gate(tmp_path, capsys):
             assert r["status"] in ("ok", "n/a"), r
             if r["provider"] in ("auto", "reference"):
                 assert r["status"] == "ok" and float(r["median_us"]) > 0, r
-    assert {"fp8_block_mm", "per_token_group_quant_fp8"} <= seen
+    assert {"fp8_block_mm", "fp8_block_linear", "per_token_group_quant_fp8"} <= seen
 
 
 # ----------------------------------------------------------------------------
