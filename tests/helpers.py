@@ -138,6 +138,21 @@ def run_under_interpreter(test_file: str, env: dict[str, str], drop: tuple[str, 
     assert " passed" in r.stdout and " failed" not in r.stdout, tail
 
 
+def run_codegen_child(test_file: str, env: dict[str, str]) -> None:
+    """Run ``test_file`` as a script with ``env`` and without ``TRITON_INTERPRET``
+    (Triton's own compiler, no GPU needed); assert it printed ``codegen ok``."""
+    import os
+    import subprocess
+    import sys
+
+    child_env = dict(os.environ, PYTHONWARNINGS="ignore", **env)
+    child_env.pop("TRITON_INTERPRET", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.abspath(test_file)], env=child_env, cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "codegen ok" in r.stdout, (r.stdout[-6000:] + r.stderr[-3000:])
+
+
 def nvrtc_registers(spec) -> int:
     """Compile a ``scaledmm.jit.NvrtcKernelSpec`` with ``ptxas -v``; assert it
     gave a cubin with no spill stores; return its registers per thread."""

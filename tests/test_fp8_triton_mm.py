@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -44,7 +42,7 @@ from hypothesis import given, settings, strategies as st
 pytest.importorskip("triton")
 
 import scaledmm  # noqa: E402  (registers the ops)
-from helpers import opcheck, poison_, rel_err, run_under_interpreter  # noqa: E402
+from helpers import opcheck, poison_, rel_err, run_codegen_child, run_under_interpreter  # noqa: E402
 from scaledmm import backends  # noqa: E402
 from scaledmm.backends import Family, Problem  # noqa: E402
 from scaledmm.ops import fp8 as base  # noqa: E402
@@ -53,7 +51,6 @@ from scaledmm.ops import fp8_block_triton as T  # noqa: E402
 from scaledmm.ops import fp8_triton_mm as TM  # noqa: E402
 from scaledmm.ops import fp8_triton_quant as Q  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_VAR = "SCALEDMM_FP8_TRITON_MM_CHILD"
 CHILD = os.environ.get(CHILD_VAR)
 FP8 = torch.float8_e4m3fn
@@ -144,11 +141,7 @@ def test_interpreter_suite():
 @parent
 def test_sm90_sm89_sm80_codegen():
     """Triton's compiler (no GPU) on the ROWCOL kernel at Llama sizes."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("TRITON_INTERPRET", None)
-    env[CHILD_VAR] = "codegen"
-    r = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "codegen ok" in r.stdout, (r.stdout[-6000:] + r.stderr[-3000:])
+    run_codegen_child(__file__, {CHILD_VAR: "codegen"})
 
 
 def _codegen_main() -> None:

@@ -45,7 +45,7 @@ from scaledmm.device import interpreting  # noqa: E402
 from scaledmm.ops import fp8 as base  # noqa: E402
 from scaledmm.ops import fp8_triton_quant as Q  # noqa: E402
 
-from helpers import opcheck, poison_  # noqa: E402
+from helpers import opcheck, poison_, run_codegen_child  # noqa: E402
 
 OPS = torch.ops.scaledmm
 
@@ -147,11 +147,7 @@ def test_kernels_in_triton_interpreter():
 def test_sm90_sm89_sm80_codegen():
     """Triton's own compiler (no GPU): exact division, hardware RNE e4m3 cast on
     sm90, 16-byte loads, no spills, for the default large-M tiles."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("TRITON_INTERPRET", None)
-    env[CHILD_VAR] = "codegen"
-    r = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "codegen ok" in r.stdout, (r.stdout[-6000:] + r.stderr[-3000:])
+    run_codegen_child(__file__, {CHILD_VAR: "codegen"})
 
 
 def _codegen_main() -> None:
