@@ -22,7 +22,10 @@ caller's M (``scaledmm.backends.select(..., table_m=M)``).
 
 ``--out`` an existing policy file (``scaledmm/tuning/<family>_<arch>.json``)
 replaces its ``shapes`` and ``source`` and keeps the rest (order, switches,
-notes); the result is validated like a shipped file.  A new file holds the
+notes); the result is validated like a shipped file.  ``--op-rows`` writes the
+rows as ``--op``'s own (``op_shapes``), e.g. from ``python -m benchmarks
+fp8_block_linear``: ``--op fp8_block_linear --op-rows`` ranks ``triton``
+against ``composite`` for the layer's op, leaving the GEMM's rows as they are.  A new file holds the
 rows alone: ``scaledmm.backends.load_auto_table`` installs them in a process.
 
 Examples
@@ -164,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=0.03, help="relative noise margin (default 0.03)")
     p.add_argument("--source", default="", help="provenance line stored in the JSON (GPU, date, commit)")
     p.add_argument("--out", help="JSON file to write (default: stdout)")
+    p.add_argument("--op-rows", action="store_true",
+                   help="write the rows as --op's own (op_shapes[OP]) instead of the family's shapes")
     p.add_argument("--kernel", help="write a kernel's tuned configs instead (scaledmm/tuning/kernels/"
                    "<kernel>_<arch>.json) from a sweep of its configs: see benchmarks/tune_kernel.py")
     args = p.parse_args(argv)
@@ -183,12 +188,18 @@ def main(argv: list[str] | None = None) -> int:
     if not ranked:
         print(f"{args.csv}: no timed {args.op} point of our backends", file=sys.stderr)
         return 1
-    data = {"family": args.family, "arch": args.arch,
-            "source": f"python -m benchmarks.tune {Path(args.csv).name}; {source}".rstrip("; "),
-            "shapes": build_table(ranked, args.tolerance)}
+    flags = f" --op {args.op} --op-rows" if args.op_rows else ""
+    line = f"python -m benchmarks.tune {Path(args.csv).name}{flags}; {source}"
+    table = build_table(ranked, args.tolerance)
+    data = {"family": args.family, "arch": args.arch, "source": line.rstrip("; ")}
+    data.update({"op_shapes": {args.op: table}} if args.op_rows else {"shapes": table})
     if args.out and Path(args.out).exists():
         old = json.loads(Path(args.out).read_text())
-        data = {**old, "source": data["source"], "shapes": data["shapes"]}
+        if args.op_rows:
+            data = {**old, "source": data["source"],
+                    "op_shapes": {**old.get("op_shapes", {}), args.op: table}}
+        else:
+            data = {**old, "source": data["source"], "shapes": table}
         if "order" in data:  # a policy file: rows naming a backend its order lacks fail here
             from scaledmm import policy
 
@@ -196,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(data, indent=1) + "\n"
     if args.out:
         Path(args.out).write_text(text)
-        print(f"wrote {args.out}: {len(data['shapes'])} shapes", file=sys.stderr)
+        what = f"op_shapes[{args.op!r}]" if args.op_rows else "shapes"
+        print(f"wrote {args.out}: {len(table)} shapes in {what}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

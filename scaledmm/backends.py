@@ -371,12 +371,13 @@ def priority(family: Family | str, device: torch.device | str) -> list[str]:
     return [b for b in pol.order if pol.enabled(b)]
 
 
-def auto_order(problem: Problem, table_m: int | None = None) -> list[str]:
+def auto_order(problem: Problem, table_m: int | None = None, op: str | None = None) -> list[str]:
     """The order automatic selection tries for ``problem``: the policy's
-    measured row for the shape (if any, read at ``table_m`` or ``problem.m``),
-    then the policy's order; switched-off backends left out."""
+    measured row for the shape (``op``'s own rows when it has them; read at
+    ``table_m`` or ``problem.m``), then the policy's order; switched-off
+    backends left out."""
     pol = policy(problem.family, problem.device)
-    return pol.auto_order(problem.n, problem.k, problem.m if table_m is None else table_m)
+    return pol.auto_order(problem.n, problem.k, problem.m if table_m is None else table_m, op=op)
 
 
 def _switch_values(fam: Family) -> tuple[str | None, ...]:
@@ -570,7 +571,7 @@ def _select(problem: Problem, op: str, name: str | None, table_m: int | None = N
                 raise RuntimeError(f"backend {fam.value}/{name} was requested but cannot run: {why}")
             return backend
     reasons = []
-    for cand in auto_order(problem, table_m):
+    for cand in auto_order(problem, table_m, op):
         backend = _REGISTRY[fam].get(cand)
         if backend is None or op not in backend.impls:
             continue

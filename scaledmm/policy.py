@@ -10,6 +10,7 @@ backends' own predicates::
       "order": ["cuda_gemv", "triton", "reference"],   # tried first to last
       "switches": {"cuda_gemv": "SCALEDMM_NVFP4_GEMV"}, # optional: env var per backend
       "shapes": {"4096x7168": [[256, ["triton", "cublas"]], [2147483647, ["cublas"]]]},  # optional
+      "op_shapes": {"fp8_block_linear": {"4096x7168": [[2147483647, ["composite"]]]}},  # optional
       "source": "...", "notes": "..."     # optional free text (provenance, why this order)
     }
 
@@ -22,6 +23,10 @@ backends' own predicates::
 * ``shapes``: per weight shape ``NxK``, rows ``[max_m, [names]]`` in
   ascending ``max_m``; the first row with ``M <= max_m`` is tried first, then
   the rest of ``order``.  Written by ``python -m benchmarks.tune``.
+* ``op_shapes``: rows of the same form for one op of the family, used for
+  that op instead of ``shapes`` (a family's ops need not share a winner:
+  ``fp8_block_linear`` runs on ``triton`` or ``composite``, its GEMM on any
+  backend).  Written by ``python -m benchmarks.tune --op OP --op-rows``.
 
 A device uses the file of its own arch (``sm90``), else the file of its
 architecture family (``sm86`` and ``sm89`` use ``sm80``, ``sm103`` uses
@@ -50,7 +55,8 @@ __all__ = ["Policy", "PolicyError", "parse", "load", "table", "resolve", "switch
 
 Rows = tuple[tuple[int, tuple[str, ...]], ...]
 
-_KEYS = {"family", "arch", "order", "switches", "shapes", "source", "notes"}
+_KEYS = {"family", "arch", "order", "switches", "shapes", "op_shapes", "source", "notes"}
+_OP = re.compile(r"^[a-z][a-z0-9_]*$")
 _ARCH = re.compile(r"^(cpu|cuda|sm\d+|[a-z][a-z0-9]*)$")
 _SHAPE = re.compile(r"^(\d+)x(\d+)$")
 
@@ -71,6 +77,8 @@ class Policy:
         Backend names, tried first to last.
     shapes : mapping
         ``(n, k) -> ((max_m, names), ...)``, ascending ``max_m``.
+    op_shapes : mapping
+        ``op -> {(n, k) -> rows}``: rows for that op instead of ``shapes``.
     switches : mapping
         Backend name -> environment variable that switches it off (``"0"``
         or empty) in automatic selection.
@@ -84,6 +92,7 @@ class Policy:
     shapes: Mapping[tuple[int, int], Rows] = dataclasses.field(default_factory=dict)
     switches: Mapping[str, str] = dataclasses.field(default_factory=dict)
     source: str = ""
+    op_shapes: Mapping[str, Mapping[tuple[int, int], Rows]] = dataclasses.field(default_factory=dict)
 
     def enabled(self, name: str, environ: Mapping[str, str] | None = None) -> bool:
         """False when ``name``'s switch variable is ``"0"`` or empty in
@@ -91,18 +100,22 @@ class Policy:
         var = self.switches.get(name)
         return var is None or _env.switch_on(var, environ)
 
-    def auto_order(self, n: int, k: int, m: int, environ: Mapping[str, str] | None = None) -> list[str]:
-        """Names tried for an ``M x K`` activation and an ``N x K`` weight,
-        switched-off backends left out.
+    def auto_order(self, n: int, k: int, m: int, environ: Mapping[str, str] | None = None,
+                   op: str | None = None) -> list[str]:
+        """Names tried for an ``M x K`` activation and an ``N x K`` weight
+        (``op``'s own rows for the shape when the policy has them, else the
+        family's), switched-off backends left out.
 
         Examples
         --------
-        >>> p = Policy("fp8_block", "sm90", ("cublas", "triton"), {(64, 128): ((16, ("triton",)),)})
-        >>> p.auto_order(64, 128, 4), p.auto_order(64, 128, 17)
-        (['triton', 'cublas'], ['cublas', 'triton'])
+        >>> p = Policy("fp8_block", "sm90", ("cublas", "triton"), {(64, 128): ((16, ("triton",)),)},
+        ...            op_shapes={"fp8_block_linear": {(64, 128): ((2**31 - 1, ("cublas",)),)}})
+        >>> p.auto_order(64, 128, 4), p.auto_order(64, 128, 17), p.auto_order(64, 128, 4, op="fp8_block_linear")
+        (['triton', 'cublas'], ['cublas', 'triton'], ['cublas', 'triton'])
         """
         base = [b for b in self.order if self.enabled(b, environ)]
-        for max_m, names in self.shapes.get((n, k), ()):
+        rows = self.op_shapes.get(op, {}).get((n, k)) if op is not None else None
+        for max_m, names in self.shapes.get((n, k), ()) if rows is None else rows:
             if m <= max_m:
                 first = [b for b in names if self.enabled(b, environ)]
                 return first + [b for b in base if b not in first]
@@ -158,15 +171,32 @@ def parse(data: Any, where: str, family: str | None = None, arch: str | None = N
             _fail(where, f"switches[{name!r}]", f"a backend of order {list(order)}", name)
         if not _env.is_switch_var(var):
             _fail(where, f"switches[{name!r}]", f"an env var name like {_env.NVFP4_GEMV!r}", var)
-    shapes_in = data.get("shapes", {})
+    shapes = _shape_rows(where, "shapes", data.get("shapes", {}), order, strict)
+    op_shapes_in = data.get("op_shapes", {})
+    if not isinstance(op_shapes_in, dict):
+        _fail(where, "op_shapes", 'an object {op: {"NxK": rows}}', op_shapes_in)
+    op_shapes = {}
+    for op, rows_in in op_shapes_in.items():
+        if not isinstance(op, str) or not _OP.match(op):
+            _fail(where, f"op_shapes key {op!r}", "an op name like 'fp8_block_linear'", op)
+        op_shapes[op] = _shape_rows(where, f"op_shapes[{op!r}]", rows_in, order, strict)
+    for key in ("source", "notes"):
+        if not isinstance(data.get(key, ""), str):
+            _fail(where, key, "a string", data[key])
+    return Policy(fam, arc, order, shapes, dict(switches), where, op_shapes)
+
+
+def _shape_rows(where: str, name: str, shapes_in: Any, order: tuple[str, ...],
+                strict: bool) -> dict[tuple[int, int], Rows]:
+    """``{"NxK": [[max_m, [names]], ...]}`` validated into ``{(n, k): rows}``."""
     if not isinstance(shapes_in, dict):
-        _fail(where, "shapes", 'an object {"NxK": rows}', shapes_in)
+        _fail(where, name, 'an object {"NxK": rows}', shapes_in)
     shapes: dict[tuple[int, int], Rows] = {}
     for shape, rows in shapes_in.items():
         match = _SHAPE.match(shape.lower()) if isinstance(shape, str) else None
         if match is None or not int(match[1]) or not int(match[2]):
-            _fail(where, f"shapes key {shape!r}", "'NxK' with positive N and K", shape)
-        field = f"shapes[{shape!r}]"
+            _fail(where, f"{name} key {shape!r}", "'NxK' with positive N and K", shape)
+        field = f"{name}[{shape!r}]"
         if not isinstance(rows, list) or not rows:
             _fail(where, field, "a non-empty list of [max_m, [names]] rows", rows)
         parsed: list[tuple[int, tuple[str, ...]]] = []
@@ -182,10 +212,11 @@ def parse(data: Any, where: str, family: str | None = None, arch: str | None = N
                 _fail(where, field, "rows in strictly ascending max_m", [r[0] for r in rows])
             parsed.append((row[0], names))
         shapes[(int(match[1]), int(match[2]))] = tuple(parsed)
-    for key in ("source", "notes"):
-        if not isinstance(data.get(key, ""), str):
-            _fail(where, key, "a string", data[key])
-    return Policy(fam, arc, order, shapes, dict(switches), where)
+    return shapes
+
+
+def _shape_json(shapes: Mapping[tuple[int, int], Rows]) -> dict[str, list]:
+    return {f"{n}x{k}": [[mm, list(names)] for mm, names in rows] for (n, k), rows in shapes.items()}
 
 
 def load(families: Iterable[str], folder: Any = None) -> dict[str, dict[str, Policy]]:
@@ -301,9 +332,8 @@ def replace(family: str, arch: str, base: Policy, **fields: Any) -> Policy:
     >>> restore(saved)
     """
     data = {"family": family, "arch": arch, "order": list(base.order),
-            "switches": dict(base.switches),
-            "shapes": {f"{n}x{k}": [[mm, list(names)] for mm, names in rows]
-                       for (n, k), rows in base.shapes.items()}}
+            "switches": dict(base.switches), "shapes": _shape_json(base.shapes),
+            "op_shapes": {op: _shape_json(rows) for op, rows in base.op_shapes.items()}}
     data.update(fields)
     new = parse(data, f"{family}_{arch} (set in process)", family, arch, strict=False)
     table(family)[arch] = new

@@ -109,11 +109,13 @@ def load_auto_table(family: _registry.Family | str, path) -> None:
 
 @contextlib.contextmanager
 def override_policy(family: _registry.Family | str, arch: str, *, order: list[str] | None = None,
-                    shapes: dict | None = None, switches: dict | None = None) -> Iterator[Policy]:
+                    shapes: dict | None = None, switches: dict | None = None,
+                    op_shapes: dict | None = None) -> Iterator[Policy]:
     """Inside the block, ``family``'s policy for ``arch`` has the given
-    ``order``, ``shapes`` (``{(n, k): [(max_m, [names]), ...]}``) and / or
-    ``switches`` (``{backend: env var}``); the previous policy comes back on
-    exit.  For tests and experiments.
+    ``order``, ``shapes`` (``{(n, k): [(max_m, [names]), ...]}``),
+    ``op_shapes`` (``{op: shapes}``) and / or ``switches`` (``{backend: env
+    var}``); the previous policy comes back on exit.  For tests and
+    experiments.
 
     Examples
     --------
@@ -132,6 +134,8 @@ def override_policy(family: _registry.Family | str, arch: str, *, order: list[st
         fields["switches"] = dict(switches)
     if shapes is not None:
         fields["shapes"] = _shape_rows(shapes)
+    if op_shapes is not None:
+        fields["op_shapes"] = {op: _shape_rows(rows) for op, rows in op_shapes.items()}
     new = _policies.replace(fam, arch, _entry(fam, arch), **fields)
     _registry.invalidate()
     try:

@@ -185,6 +185,41 @@ def test_measured_auto_table_orders_then_falls_back(monkeypatch):
     assert backends.policy(fam, cuda).source.endswith("fp8_block_sm90.json")
 
 
+LAST_M = 2**31 - 1  # a shape's last row covers every larger M
+
+
+def test_op_rows_rank_one_op_and_leave_the_others_on_the_family_rows(monkeypatch):
+    """``op_shapes`` rows serve their op alone: fp8_block_linear takes
+    composite where its rows say so while fp8_block_mm keeps the family's
+    rows; a shape without op rows falls back to the family's."""
+    fam = Family.FP8_BLOCK
+    monkeypatch.setattr(backends, "arch_key", lambda d: "sm90")
+    pretend = lambda b, d: (True, "pretend")  # noqa: E731
+    pretend.cache_clear = lambda: None  # invalidate() clears the real probe cache
+    monkeypatch.setattr(backends, "supported_on", pretend)
+    cuda = torch.device("cuda", 0)
+    opts = (("block_size", (128, 128)), ("a_scales_col_major", False))
+    p = lambda m, n: Problem(fam, cuda, m, n, 128, torch.bfloat16, torch.bfloat16, 128, opts)  # noqa: E731
+    rows = {(64, 128): [(LAST_M, ["triton", "cublas"])]}
+    op_rows = {"fp8_block_linear": {(64, 128): [(16, ["triton"]), (LAST_M, ["composite", "triton"])]}}
+    backends.invalidate()
+    try:
+        with backends.override_policy(fam, "sm90", order=["cublas", "triton", "composite", "reference"],
+                                      shapes=rows, op_shapes=op_rows) as pol:
+            assert pol.op_shapes["fp8_block_linear"][(64, 128)][1] == (LAST_M, ("composite", "triton"))
+            assert backends.auto_order(p(32, 64), op="fp8_block_linear")[:2] == ["composite", "triton"]
+            assert backends.auto_order(p(32, 64), op="fp8_block_mm")[:2] == ["triton", "cublas"]
+            assert backends.auto_order(p(32, 64))[:2] == ["triton", "cublas"]
+            assert backends.auto_order(p(8, 64), op="fp8_block_linear")[0] == "triton"
+            assert backends.auto_order(p(32, 96), op="fp8_block_linear")[0] == "cublas"  # no rows: the order
+            assert backends.select(p(32, 64), "fp8_block_linear").name == "composite"
+            assert backends.select(p(8, 64), "fp8_block_linear").name == "triton"
+            assert backends.select(p(32, 64), "fp8_block_mm").name == "triton"
+    finally:
+        monkeypatch.undo()
+        backends.invalidate()
+
+
 def test_shipped_fp8_block_table_loads():
     import importlib.resources
     import json

@@ -343,6 +343,30 @@ def test_tune_cli_writes_json(tmp_path):
     assert tune.main([str(empty)]) == 1
 
 
+def test_tune_op_rows_go_to_op_shapes_and_keep_the_family_rows(tmp_path):
+    from benchmarks import tune
+
+    path = tmp_path / "fp8_block_linear.csv"
+    rows = [{"op": "fp8_block_linear", "n": "2112", "k": "7168", "m": str(m), "provider": prov, "kind": "ours",
+             "status": "ok", "median_us": str(us)}
+            for m, prov, us in ((16, "triton", 10.0), (16, "composite", 12.0),
+                                (512, "triton", 90.0), (512, "composite", 60.0), (512, "auto", 1.0))]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    out = tmp_path / "fp8_block_sm90.json"
+    shipped = {"family": "fp8_block", "arch": "sm90", "order": ["cublas", "triton", "composite", "reference"],
+               "shapes": {"2112x7168": [[tune.LAST_M, ["cublas", "triton"]]]}}
+    out.write_text(json.dumps(shipped))
+    assert tune.main([str(path), "--op", "fp8_block_linear", "--op-rows", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["shapes"] == shipped["shapes"] and data["order"] == shipped["order"]
+    assert data["op_shapes"] == {"fp8_block_linear": {"2112x7168": [[16, ["triton", "composite"]],
+                                                                    [tune.LAST_M, ["composite", "triton"]]]}}
+    assert "--op fp8_block_linear --op-rows" in data["source"]
+
+
 def test_tune_unaligned_points_get_their_own_rows_only_where_they_differ():
     from benchmarks import tune
 

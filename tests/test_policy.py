@@ -296,3 +296,31 @@ def test_tune_replaces_the_rows_of_a_policy_file_and_keeps_the_rest(tmp_path):
     csv_path.write_text(header + "fp8_block_mm,2112,7168,4,t_new,ours,ok,1.0\n")
     with pytest.raises(policy.PolicyError, match=r"row 2147483647: expected backends of order"):
         tune.main([str(csv_path), "--out", str(out)])
+
+
+def test_op_shapes_are_validated_like_shapes():
+    base = {"family": "fp8_block", "arch": "sm90", "order": ["triton", "composite"]}
+    ok = policy.parse({**base, "op_shapes": {"fp8_block_linear": {"64x128": [[16, ["composite"]]]}}}, "f.json")
+    assert ok.op_shapes == {"fp8_block_linear": {(64, 128): ((16, ("composite",)),)}}
+    bad = [
+        ({"op_shapes": []}, "op_shapes: expected an object"),
+        ({"op_shapes": {"Bad-Op": {}}}, "op_shapes key 'Bad-Op': expected an op name"),
+        ({"op_shapes": {"fp8_block_linear": {"64x0": [[1, ["triton"]]]}}}, "positive N and K"),
+        ({"op_shapes": {"fp8_block_linear": {"64x128": [[1, ["cutlass"]]]}}}, "backends of order"),
+        ({"op_shapes": {"fp8_block_linear": {"64x128": [[8, ["triton"]], [4, ["composite"]]]}}},
+         "strictly ascending"),
+    ]
+    for extra, msg in bad:
+        with pytest.raises(policy.PolicyError, match=msg):
+            policy.parse({**base, **extra}, "f.json")
+
+
+def test_replace_keeps_op_shapes():
+    base = policy.parse({"family": "fp8", "arch": "sm00", "order": ["reference"],
+                         "op_shapes": {"quant_fp8": {"8x16": [[4, ["reference"]]]}}}, "f.json")
+    saved = policy.snapshot()
+    try:
+        new = policy.replace("fp8", "sm00", base, order=["reference"])
+        assert new.op_shapes == base.op_shapes
+    finally:
+        policy.restore(saved)
