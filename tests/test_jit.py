@@ -242,6 +242,44 @@ def test_cli_status_and_prebuild_hook(cache, capsys):
     assert str(cache) in capsys.readouterr().out
 
 
+def test_cli_build_jobs_run_at_once_and_report_failures(cache, capsys):
+    """``--jobs 2`` runs two builds at the same time (each waits for the
+    other at a barrier); a failed build is reported and the others finish."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=30)
+    built = []
+
+    class Fake:
+        key = "0" * 64
+
+        def __init__(self, name):
+            self.name = name
+
+        def cached(self):
+            return False
+
+        def build(self):
+            if self.name == "bad":
+                raise jit.JitError("planted failure")
+            barrier.wait()  # BrokenBarrierError (a test failure) unless both run at once
+            built.append(self.name)
+            return Path("/nowhere")
+
+    jit.register_prebuild("fake-family", lambda value: [Fake(v) for v in value.split(",")], help="a,b")
+    try:
+        assert jit.main(["build", "--fake-family", "a,b", "--jobs", "2"]) == 0
+        assert sorted(built) == ["a", "b"]
+        barrier.reset()
+        assert jit.main(["build", "--fake-family", "a,bad,b", "--jobs", "2"]) == 1
+        assert sorted(built) == ["a", "a", "b", "b"]
+        assert jit.main(["build", "--fake-family", "a", "--jobs", "0"]) == 2
+    finally:
+        del jit.PREBUILD["fake-family"]
+    err = capsys.readouterr().err
+    assert "bad" in err and "FAILED: planted failure" in err and "--jobs: expected a positive integer, got 0" in err
+
+
 def test_cli_module_runs_without_warnings(cache):
     """``python -m scaledmm.jit`` runs the package's ``__main__`` (no runpy
     RuntimeWarning about a module imported twice) and builds through the

@@ -10,6 +10,7 @@ them."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
 import os
 import sys
@@ -59,20 +60,29 @@ def _cmd_build(args) -> int:
     if not specs:
         print("nothing to build: pass one of " + ", ".join(f"--{f}" for f in PREBUILD), file=sys.stderr)
         return 2
-    failed = 0
-    for spec in specs:
+    if args.jobs < 1:
+        print(f"python -m scaledmm.jit build: --jobs: expected a positive integer, got {args.jobs}", file=sys.stderr)
+        return 2
+
+    def one(spec) -> bool:
         t0 = time.perf_counter()
         try:
             was = spec.cached()
             path = spec.build()
-            state = "cached" if was else f"built in {time.perf_counter() - t0:.1f} s"
-            print(f"  {spec.name:<28} {spec.key[:16]}  {state}  {path}")
         except CacheDirError:
             raise  # the same for every spec: reported once by main
         except JitError as e:
-            failed += 1
-            print(f"  {spec.name:<28} FAILED: {e}", file=sys.stderr)
-    return 1 if failed else 0
+            print(f"  {spec.name:<28} FAILED: {e}", file=sys.stderr, flush=True)
+            return False
+        state = "cached" if was else f"built in {time.perf_counter() - t0:.1f} s"
+        print(f"  {spec.name:<28} {spec.key[:16]}  {state}  {path}", flush=True)
+        return True
+
+    # Each build is its own compiler process and cache entry (locked, written
+    # atomically), so threads only wait on them.
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        ok = list(pool.map(one, specs))
+    return 0 if all(ok) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     b = sub.add_parser("build", help="pre-build kernels into the cache (damaged entries are rebuilt)")
     for flag, (_, help_) in PREBUILD.items():
         b.add_argument(f"--{flag}", metavar="SPEC", help=help_)
+    b.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="builds at a time (default 1; a CUTLASS build takes ~1-2 GB of memory)")
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
