@@ -188,7 +188,7 @@ def case_fp8b_tri_mm(ctx: Ctx, variant: str):
     sa_d = sa.t().contiguous().to(ctx.dev).t() if col else sa.to(ctx.dev)
     a_d, b_d, sb_d = a.to(ctx.dev), b.to(ctx.dev), sb.to(ctx.dev)
     ctx.log(f"config {cfg.short()}, a_scales {'column' if col else 'row'}-major, TMA usable "
-            f"{ft._tma_ok(a_d) and ft._tma_ok(b_d)}")
+            f"{ft.tma_ok(a_d) and ft.tma_ok(b_d)}")
     first, out = ctx.twice(lambda: ft.mm(a_d, b_d, sa_d, sb_d, torch.bfloat16, config=cfg))
     return close(out, fp8_block_ref(a, b, sa, sb), 1e-2, first)
 
