@@ -21,11 +21,12 @@ from .dispatch import fp8_block_mm, skinny_linear
 from . import layers  # noqa: F401
 from .quantize import QuantConfig, quantize_, quantize_report
 from .checkpoint import load_quantized
+from .model_warmup import warmup
 
 __version__ = "0.1.0"
 
 __all__ = ["backends", "ops", "layers", "use_backend", "fp8_block_mm", "skinny_linear", "compile",
-           "quantize_", "QuantConfig", "quantize_report", "load_quantized"]
+           "quantize_", "QuantConfig", "quantize_report", "load_quantized", "warmup"]
 
 
 def __getattr__(name):
