@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): install, then run the named stages.
 #   bash benchmarks/device_all.sh tests skinny fp8 "bench:fp8_block --quick" ...
-# Stages: tests (pytest-xdist over tests/ and compile_tests/; SCALEDMM_TESTS=gpu
-# keeps the GPU cases), tests:<pytest args>, bench:<CLI args> (python -m benchmarks ...
+# Stages: prebuild (every CUTLASS fp8_block library, 3 output dtypes, 12 nvcc at a
+# time: about 4 min; skip it by carrying benchmarks/out/jit-cache built on the CPU
+# machine), tests (pytest-xdist over tests/ and compile_tests/; SCALEDMM_TESTS=gpu
+# keeps the GPU cases; with an empty JIT cache the CUTLASS builds alone exceed one
+# call: prebuild or carry first), tests:<pytest args>, bench:<CLI args> (python -m benchmarks ...
 # --out <work>/bench), sanitize[:<args>] (python -m benchmarks sanitize), tune (after a
 # "bench:fp8_block ... --providers ..." sweep: scaledmm/tuning/fp8_block_sm90.json from its
 # CSV, via python -m benchmarks.tune), <name> for python -m benchmarks.experiments.<name>,
@@ -25,6 +28,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.lo
 # Prebuilt CUTLASS libraries (built on the CPU machine with the same nvcc 13.0): carry this folder.
 [ -d benchmarks/out/jit-cache ] && export SCALEDMM_CACHE_DIR=$PWD/benchmarks/out/jit-cache
 export SCALEDMM_COMMIT=${SCALEDMM_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
+export SCALEDMM_FAILURE_LOG=${SCALEDMM_FAILURE_LOG:-$WORK/failures.log}  # test failures, written as they happen
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 summary=()
@@ -34,6 +38,8 @@ for stage in "$@"; do
   names+=("$name")
   t0=$(date +%s)
   case "$stage" in
+    prebuild) timeout "${SCRIPT_TIMEOUT:-300}" python3 -m scaledmm.jit build --jobs 12 \
+             --fp8-block-cutlass all:bf16,fp16,fp32 >"$WORK/$name.log" 2>&1 ;;
     tests) timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest tests compile_tests -q -p no:cacheprovider -n 14 \
              --timeout 80 -rfE --junitxml="$WORK/junit.xml" \
              -W ignore::pytest_benchmark.logger.PytestBenchmarkWarning >"$WORK/$name.log" 2>&1 ;;
