@@ -49,6 +49,20 @@ def test_each_configuration_once_per_m_and_nothing_changes():
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_parallel_wrappers_warm_their_local_layer_without_collectives():
+    from scaledmm.layers import Fp8Linear
+    from scaledmm.layers.parallel import RowParallelLinear
+
+    t = {"weight": torch.randn(32, 96).to(torch.float8_e4m3fn), "weight_scale": torch.tensor(0.01)}
+    wrapper = RowParallelLinear.from_checkpoint(Fp8Linear, t, rank=0, world_size=2)  # K shard 48: all-reduce
+    calls = []
+    wrapper.register_forward_hook(lambda *a: calls.append("wrapper"))  # would all-reduce (no process group here)
+    wrapper.inner.register_forward_hook(lambda m, args, out: calls.append(args[0].shape))
+    report = scaledmm.warmup(nn.Sequential(wrapper), ms=(2,))
+    assert calls == [torch.Size([2, 48])]
+    assert [e.modules for e in report.entries] == [("0.inner",)]
+
+
 @pytest.mark.parametrize("ms, match", [((), "ms"), ((0,), "ms"), ((1, -2), "ms"), (4, "ms"), ((True,), "ms")])
 def test_bad_ms_name_the_argument(ms, match):
     with pytest.raises(ValueError, match=f"warmup: {match}: expected a non-empty sequence of ints >= 1"):
