@@ -494,8 +494,9 @@ def default_config(p: Problem) -> GemmConfig:
     if cfg.split_k == AUTO_SPLIT:
         cfg = _rule_split(cfg, p)
     ok, why = config_ok(cfg, p)
-    if not ok:  # keep dispatch total: fall back to the smallest config
-        cfg = _rule_split(_portable(kernel_tuning.load("nvfp4_triton", "sm90", GemmConfig).default[0][1], p), p)
+    if not ok:  # keep dispatch total: fall back to the smallest config, unsplit
+        smallest = kernel_tuning.load("nvfp4_triton", "sm90", GemmConfig).default[0][1]
+        cfg = dataclasses.replace(_portable(smallest, p), split_k=1)
     return cfg
 
 
