@@ -11,7 +11,8 @@ M has been built and loaded; its report says which backend each op took.
 Layers are told apart by class, configuration (``extra_repr``) and device, so
 a 32-layer model warms each projection shape once.  Tensor-parallel wrappers
 are skipped and their local layers warmed (no collective runs).  Nothing of
-the model changes (forward under ``no_grad``, no state written).
+the model changes (forward under ``no_grad``, no state written), nor torch's
+global random state (the activations come from a generator of its own).
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ def warmup(model: nn.Module, ms: Sequence[int] = DEFAULT_MS, *, dtype: torch.dty
     entries = []
     for (cls, config, device), (layer, names) in groups.items():
         x_dtype = _activation_dtype(layer, dtype)
+        gen = None if device.type == "meta" else torch.Generator(device).manual_seed(0)  # not the global RNG
         for m in dict.fromkeys(ms):
-            x = torch.randn(m, layer.in_features, device=device, dtype=x_dtype)
+            x = torch.randn(m, layer.in_features, device=device, dtype=x_dtype, generator=gen)
             with backends.record() as log:
                 layer(x)
             calls = tuple(dict.fromkeys((op, backend) for op, backend, _ in log))

@@ -33,7 +33,9 @@ def test_each_configuration_once_per_m_and_nothing_changes():
     seen = []
     for name, mod in model.items():
         mod.register_forward_hook(lambda m, args, out, name=name: seen.append((name, args[0].shape[0])))
+    rng = torch.get_rng_state()
     report = scaledmm.warmup(model, ms=(1, 3, 17, 3))
+    assert torch.equal(torch.get_rng_state(), rng)
     assert sorted(seen) == sorted((n, m) for n in ("a", "c", "d", "e") for m in (1, 3, 17))
     assert len(report.entries) == 4 * 3
     shared = [e for e in report.entries if "in_features=256, out_features=128" in e.layer]
