@@ -22,11 +22,12 @@ caller's M (``scaledmm.backends.select(..., table_m=M)``).
 
 ``--out`` an existing policy file (``scaledmm/tuning/<family>_<arch>.json``)
 replaces its ``shapes`` and ``source`` and keeps the rest (order, switches,
-notes); the result is validated like a shipped file.  ``--op-rows`` writes the
-rows as ``--op``'s own (``op_shapes``), e.g. from ``python -m benchmarks
-fp8_block_linear``: ``--op fp8_block_linear --op-rows`` ranks ``triton``
-against ``composite`` for the layer's op, leaving the GEMM's rows as they are.  A new file holds the
+notes); the result is validated like a shipped file.  A new file holds the
 rows alone: ``scaledmm.backends.load_auto_table`` installs them in a process.
+``--op-rows`` writes the rows as ``--op``'s own (``op_shapes``), e.g. from
+``python -m benchmarks fp8_block_linear``: ``--op fp8_block_linear
+--op-rows`` ranks ``triton`` against ``composite`` for the layer's op and
+leaves the GEMM's rows as they are.
 
 Examples
 --------

@@ -16,7 +16,7 @@ Scales reach the kernel as ``[rows, 1]`` views whose row stride is 0 for a
 one-element (per-tensor) scale, so the four combinations of scale kinds are
 one kernel with two stride arguments.
 
-Read top to bottom: per-problem check, scale views, launcher.  The backend
+Read top to bottom: per-problem check, launcher.  The backend
 is registered in ``ops/fp8_triton_quant.py`` (the family has one ``triton``
 backend, holding ``quant_fp8`` and this GEMM); the reference is
 ``ops.fp8.reference_mm``.
@@ -66,20 +66,6 @@ def can_implement(p: Problem) -> tuple[bool, str]:
     if p.out_dtype not in V.FLOAT_OUT_DTYPES:
         return False, f"out_dtype bf16/fp16/fp32, got {p.out_dtype}"
     return True, "any M, row stride and alignment; K, N multiples of 16"
-
-
-# ----------------------------------------------------------------------------
-# Scale views
-# ----------------------------------------------------------------------------
-
-
-def _row_scales(scale: torch.Tensor, one: bool, rows: int) -> torch.Tensor:
-    """``scale`` as the kernel's ``[rows, 1]`` operand: row stride 0 for a
-    one-element scale, else the vector's own stride (no copy when it is a
-    view of one)."""
-    if one:
-        return scale.reshape(1, 1).expand(rows, 1)
-    return scale.reshape(rows, 1)
 
 
 # ----------------------------------------------------------------------------
@@ -133,8 +119,9 @@ def mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.T
         ok, why = block_triton.config_ok(config, m, n, k)
         if not ok:
             V.fail(OP, "config", "an MMConfig that passes fp8_block_triton.config_ok", f"{config} ({why})")
-    sa = _row_scales(scale_a, kind_a == base.TENSOR, m)
-    sb = _row_scales(scale_b, kind_b == base.TENSOR, n)
+    # the kernel's [rows, 1] operands: a one-element scale broadcast with row stride 0
+    sa = base._scale_view(scale_a, kind_a, True).expand(m, 1)
+    sb = base._scale_view(scale_b, kind_b, True).expand(n, 1)
     if bias is not None:
         bias = bias.contiguous()  # the kernel reads bias[n] at unit stride
     return block_triton.run_mm(a, b, sa, sb, out_dtype, bias, config, quant_a=False, rowcol=True)
