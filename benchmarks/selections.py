@@ -114,7 +114,9 @@ def problems(family: str, device: torch.device, m: int, n: int,
                    "quant_fp8", None)
         for ka, kb, bias, out in (("tensor", "tensor", None, bf16), ("token", "channel", None, bf16),
                                   ("token", "channel", bf16, fp32), ("token", "channel", None, fp16)):
-            opts = (("scale_a", ka), ("scale_b", kb), ("bias_dtype", bias), ("b_aligned", True))
+            variant = "tensorwise" if ka == kb == "tensor" else "rowwise"
+            opts = (("scale_a", ka), ("scale_b", kb), ("bias_dtype", bias), ("b_aligned", True),
+                    ("variant", variant))
             yield (f"fp8_scaled_mm[{ka},{kb},{bias},{out}]", Problem(fam, device, m, n, k, fp8, out, k, opts),
                    "fp8_scaled_mm", None)
     elif family == "nvfp4":

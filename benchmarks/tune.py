@@ -27,7 +27,10 @@ rows alone: ``scaledmm.backends.load_auto_table`` installs them in a process.
 ``--op-rows`` writes the rows as ``--op``'s own (``op_shapes``), e.g. from
 ``python -m benchmarks fp8_block_linear``: ``--op fp8_block_linear
 --op-rows`` ranks ``triton`` against ``composite`` for the layer's op and
-leaves the GEMM's rows as they are.
+leaves the GEMM's rows as they are.  ``--variant V`` (with ``--op-rows``)
+writes them as the rows of one variant of the op's problems
+(``op_shapes["OP:V"]``): ``python -m benchmarks fp8`` times row-wise scales,
+so its rows are ``--op fp8_scaled_mm --variant rowwise``.
 
 Examples
 --------
@@ -170,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="JSON file to write (default: stdout)")
     p.add_argument("--op-rows", action="store_true",
                    help="write the rows as --op's own (op_shapes[OP]) instead of the family's shapes")
+    p.add_argument("--variant", help="with --op-rows: the rows of one variant of the op's problems "
+                   "(op_shapes['OP:VARIANT'], e.g. --op fp8_scaled_mm --variant rowwise)")
     p.add_argument("--kernel", help="write a kernel's tuned configs instead (scaledmm/tuning/kernels/"
                    "<kernel>_<arch>.json) from a sweep of its configs: see benchmarks/tune_kernel.py")
     args = p.parse_args(argv)
@@ -185,20 +190,24 @@ def main(argv: list[str] | None = None) -> int:
 
         line = f"python -m benchmarks.tune {Path(args.csv).name} --kernel {args.kernel}; {source}".rstrip("; ")
         return tune_kernel.main(args, rows, line)
+    if args.variant and not args.op_rows:
+        p.error("--variant needs --op-rows")
+    key = f"{args.op}:{args.variant}" if args.variant else args.op
     ranked = rank_points(rows, args.op)
     if not ranked:
         print(f"{args.csv}: no timed {args.op} point of our backends", file=sys.stderr)
         return 1
     flags = f" --op {args.op} --op-rows" if args.op_rows else ""
+    flags += f" --variant {args.variant}" if args.variant else ""
     line = f"python -m benchmarks.tune {Path(args.csv).name}{flags}; {source}"
     table = build_table(ranked, args.tolerance)
     data = {"family": args.family, "arch": args.arch, "source": line.rstrip("; ")}
-    data.update({"op_shapes": {args.op: table}} if args.op_rows else {"shapes": table})
+    data.update({"op_shapes": {key: table}} if args.op_rows else {"shapes": table})
     if args.out and Path(args.out).exists():
         old = json.loads(Path(args.out).read_text())
         if args.op_rows:
             data = {**old, "source": data["source"],
-                    "op_shapes": {**old.get("op_shapes", {}), args.op: table}}
+                    "op_shapes": {**old.get("op_shapes", {}), key: table}}
         else:
             data = {**old, "source": data["source"], "shapes": table}
         if "order" in data:  # a policy file: rows naming a backend its order lacks fail here
@@ -208,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(data, indent=1) + "\n"
     if args.out:
         Path(args.out).write_text(text)
-        what = f"op_shapes[{args.op!r}]" if args.op_rows else "shapes"
+        what = f"op_shapes[{key!r}]" if args.op_rows else "shapes"
         print(f"wrote {args.out}: {len(table)} shapes in {what}", file=sys.stderr)
     else:
         sys.stdout.write(text)

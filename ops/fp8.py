@@ -153,10 +153,13 @@ def mm_output(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch
 
 
 def mm_problem(a, b, kind_a: str, kind_b: str, bias, out_dtype) -> Problem:
+    # The policy variant: per-tensor and row-wise scales have different winners
+    # (cuBLAS's per-tensor kernel is fast where its row-wise one is not).
+    variant = "tensorwise" if kind_a == TENSOR and kind_b == TENSOR else "rowwise"
     return Problem(
         FAMILY, a.device, a.shape[0], b.shape[0], a.shape[1], a.dtype, out_dtype, a.stride(0),
         (("scale_a", kind_a), ("scale_b", kind_b), ("bias_dtype", None if bias is None else bias.dtype),
-         ("b_aligned", _aligned16(b))),
+         ("b_aligned", _aligned16(b)), ("variant", variant)),
     )
 
 

@@ -125,7 +125,8 @@ class Problem:
         Row stride of the activation in elements (``k`` when contiguous).
     options : tuple of (str, Any)
         Family-specific facts, e.g. ``("block_size", (128, 128))`` or
-        ``("a_scales_col_major", True)``; read with :meth:`opt`.
+        ``("a_scales_col_major", True)``; read with :meth:`opt`.  The option
+        ``"variant"`` (a name) selects the policy's ``op:variant`` rows.
     """
 
     family: Family
@@ -373,11 +374,13 @@ def priority(family: Family | str, device: torch.device | str) -> list[str]:
 
 def auto_order(problem: Problem, table_m: int | None = None, op: str | None = None) -> list[str]:
     """The order automatic selection tries for ``problem``: the policy's
-    measured row for the shape (``op``'s own rows when it has them; read at
+    measured row for the shape (the rows of ``op`` and the problem's
+    ``variant`` option, else ``op``'s own, else the family's; read at
     ``table_m`` or ``problem.m``), then the policy's order; switched-off
     backends left out."""
     pol = policy(problem.family, problem.device)
-    return pol.auto_order(problem.n, problem.k, problem.m if table_m is None else table_m, op=op)
+    return pol.auto_order(problem.n, problem.k, problem.m if table_m is None else table_m, op=op,
+                          variant=problem.opt("variant"))
 
 
 def _switch_values(fam: Family) -> tuple[str | None, ...]:

@@ -26,7 +26,12 @@ backends' own predicates::
 * ``op_shapes``: rows of the same form for one op of the family, used for
   that op instead of ``shapes`` (a family's ops need not share a winner:
   ``fp8_block_linear`` runs on ``triton`` or ``composite``, its GEMM on any
-  backend).  Written by ``python -m benchmarks.tune --op OP --op-rows``.
+  backend).  A key ``"op:variant"`` holds rows for one variant of the op's
+  problems, the one the op declares (``fp8_scaled_mm`` declares ``rowwise``
+  or ``tensorwise`` from its scale shapes: cuBLAS has a fast per-tensor and a
+  slow row-wise kernel, so the two need different winners); it is read
+  before the op's plain rows.  Written by ``python -m benchmarks.tune --op OP
+  [--variant V] --op-rows``.
 
 A device uses the file of its own arch (``sm90``), else the file of its
 architecture family (``sm86`` and ``sm89`` use ``sm80``, ``sm103`` uses
@@ -56,7 +61,7 @@ __all__ = ["Policy", "PolicyError", "parse", "load", "table", "resolve", "switch
 Rows = tuple[tuple[int, tuple[str, ...]], ...]
 
 _KEYS = {"family", "arch", "order", "switches", "shapes", "op_shapes", "source", "notes"}
-_OP = re.compile(r"^[a-z][a-z0-9_]*$")
+_OP = re.compile(r"^[a-z][a-z0-9_]*(:[a-z][a-z0-9_]*)?$")
 _ARCH = re.compile(r"^(cpu|cuda|sm\d+|[a-z][a-z0-9]*)$")
 _SHAPE = re.compile(r"^(\d+)x(\d+)$")
 
@@ -101,10 +106,10 @@ class Policy:
         return var is None or _env.switch_on(var, environ)
 
     def auto_order(self, n: int, k: int, m: int, environ: Mapping[str, str] | None = None,
-                   op: str | None = None) -> list[str]:
+                   op: str | None = None, variant: str | None = None) -> list[str]:
         """Names tried for an ``M x K`` activation and an ``N x K`` weight
-        (``op``'s own rows for the shape when the policy has them, else the
-        family's), switched-off backends left out.
+        (the rows of ``op:variant`` for the shape when the policy has them,
+        else ``op``'s own, else the family's), switched-off backends left out.
 
         Examples
         --------
@@ -112,9 +117,15 @@ class Policy:
         ...            op_shapes={"fp8_block_linear": {(64, 128): ((2**31 - 1, ("cublas",)),)}})
         >>> p.auto_order(64, 128, 4), p.auto_order(64, 128, 17), p.auto_order(64, 128, 4, op="fp8_block_linear")
         (['triton', 'cublas'], ['cublas', 'triton'], ['cublas', 'triton'])
+        >>> p.auto_order(64, 128, 4, op="fp8_block_linear", variant="other")  # no rows of its own
+        ['cublas', 'triton']
         """
         base = [b for b in self.order if self.enabled(b, environ)]
-        rows = self.op_shapes.get(op, {}).get((n, k)) if op is not None else None
+        rows = None
+        if op is not None and variant is not None:
+            rows = self.op_shapes.get(f"{op}:{variant}", {}).get((n, k))
+        if rows is None and op is not None:
+            rows = self.op_shapes.get(op, {}).get((n, k))
         for max_m, names in self.shapes.get((n, k), ()) if rows is None else rows:
             if m <= max_m:
                 first = [b for b in names if self.enabled(b, environ)]
@@ -178,7 +189,8 @@ def parse(data: Any, where: str, family: str | None = None, arch: str | None = N
     op_shapes = {}
     for op, rows_in in op_shapes_in.items():
         if not isinstance(op, str) or not _OP.match(op):
-            _fail(where, f"op_shapes key {op!r}", "an op name like 'fp8_block_linear'", op)
+            _fail(where, f"op_shapes key {op!r}", "an op name like 'fp8_block_linear' or "
+                  "'fp8_scaled_mm:rowwise'", op)
         op_shapes[op] = _shape_rows(where, f"op_shapes[{op!r}]", rows_in, order, strict)
     for key in ("source", "notes"):
         if not isinstance(data.get(key, ""), str):

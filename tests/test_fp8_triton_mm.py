@@ -519,7 +519,7 @@ def test_cuda_compile_cuda_graphs_equals_eager(m):
                        fullgraph=True, mode="reduce-overhead")
     with scaledmm.use_backend(Family.FP8, "triton"), backends.record() as calls:
         for step in range(4):  # warm-up, record, replays
-            fresh, fresh_sa, _, _ = operands(m, n, k, KINDS[1], 16, device="cuda")
+            fresh, _, fresh_sa, _ = operands(m, n, k, KINDS[1], 16, device="cuda")
             a.copy_(fresh)
             sa.copy_(fresh_sa)
             got = fn(a, sa).clone()  # the graph's output buffer is reused by the next replay

@@ -4,7 +4,9 @@
   llama8b sweeps, on simulated sm80 / sm86 / sm89 / sm90 / sm100 / sm103 /
   sm120 and the CPU, with the switches off and with explicit requests, equal
   the ones recorded in tests/data/selections.json (``python -m
-  benchmarks.selections``, recorded before the policy moved into data).
+  benchmarks.selections``; first recorded before the policy moved into data,
+  re-recorded with each measured change of a policy file, so the diff of that
+  file is the review of what the change does to selection).
 * The shipped files validate; malformed ones raise naming the file and field.
 * No module changes or reads the policy when it is imported.
 * A switch turns its backend off at selection time; explicit requests still
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -309,6 +312,8 @@ def test_op_shapes_are_validated_like_shapes():
         ({"op_shapes": {"fp8_block_linear": {"64x128": [[1, ["cutlass"]]]}}}, "backends of order"),
         ({"op_shapes": {"fp8_block_linear": {"64x128": [[8, ["triton"]], [4, ["composite"]]]}}},
          "strictly ascending"),
+        ({"op_shapes": {"fp8_block_linear:": {}}}, "expected an op name"),
+        ({"op_shapes": {"fp8_block_linear:a:b": {}}}, "expected an op name"),
     ]
     for extra, msg in bad:
         with pytest.raises(policy.PolicyError, match=msg):
@@ -324,3 +329,66 @@ def test_replace_keeps_op_shapes():
         assert new.op_shapes == base.op_shapes
     finally:
         policy.restore(saved)
+
+
+def test_variant_rows_come_before_the_ops_own_rows():
+    """``op:variant`` rows serve only problems that declare that variant; an
+    op's plain rows and the family's serve the rest."""
+    p = policy.parse({"family": "fp8", "arch": "sm90", "order": ["cublas", "triton"],
+                      "shapes": {"64x128": [[2**31 - 1, ["cublas"]]]},
+                      "op_shapes": {"fp8_scaled_mm:rowwise": {"64x128": [[16, ["triton"]]]},
+                                    "fp8_scaled_mm": {"64x128": [[8, ["triton"]]]}}}, "f.json")
+    mm = "fp8_scaled_mm"
+    assert p.auto_order(64, 128, 16, op=mm, variant="rowwise") == ["triton", "cublas"]
+    assert p.auto_order(64, 128, 17, op=mm, variant="rowwise") == ["cublas", "triton"]  # past its rows: order
+    assert p.auto_order(64, 128, 16, op=mm, variant="tensorwise") == ["cublas", "triton"]  # the op's own: M > 8
+    assert p.auto_order(64, 128, 8, op=mm, variant="tensorwise") == ["triton", "cublas"]
+    assert p.auto_order(64, 128, 8, variant="rowwise") == ["cublas", "triton"]  # no op: the family's rows
+    assert p.auto_order(32, 128, 1, op=mm, variant="rowwise") == ["cublas", "triton"]  # no row for the shape
+
+
+@pytest.mark.parametrize("scales, variant", [(("tensor", "tensor"), "tensorwise"), (("token", "channel"), "rowwise"),
+                                             (("tensor", "channel"), "rowwise"), (("token", "tensor"), "rowwise")])
+def test_fp8_scaled_mm_declares_its_variant_and_dispatch_reads_its_rows(scales, variant):
+    """The fp8 GEMM's Problem names its variant from the scale shapes, and an
+    ``op:variant`` row of the live policy decides its backend (the row names
+    ``reference``, which the CPU order also holds)."""
+    from scaledmm.ops import fp8 as F
+
+    m, n, k = 3, 32, 64
+    a = torch.randn(m, k).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k).to(torch.float8_e4m3fn)
+    sa = torch.rand(1) + 0.5 if scales[0] == "tensor" else torch.rand(m, 1) + 0.5
+    sb = torch.rand(1) + 0.5 if scales[1] == "tensor" else torch.rand(n) + 0.5
+    kinds = F.check_mm_args("fp8_scaled_mm", a, b, sa, sb, None, torch.bfloat16)
+    problem = F.mm_problem(a, b, *kinds, None, torch.bfloat16)
+    assert problem.opt("variant") == variant
+    other = "tensorwise" if variant == "rowwise" else "rowwise"
+    rows = {f"fp8_scaled_mm:{other}": {(n, k): [(64, ["nope"])]},
+            f"fp8_scaled_mm:{variant}": {(n, k): [(64, ["reference"])]}}
+    with backends.override_policy("fp8", "cpu", order=["reference"], op_shapes=rows):
+        assert backends.auto_order(problem, op="fp8_scaled_mm") == ["reference"]
+        other_problem = dataclasses.replace(problem, options=tuple(
+            (key, other if key == "variant" else v) for key, v in problem.options))
+        assert backends.auto_order(other_problem, op="fp8_scaled_mm") == ["nope", "reference"]
+        with backends.record() as calls:
+            torch.ops.scaledmm.fp8_scaled_mm(a, b, sa, sb, None, torch.bfloat16)
+        assert calls[-1][:2] == ("fp8_scaled_mm", "reference") and calls[-1][2].opt("variant") == variant
+
+
+def test_tune_writes_variant_rows(tmp_path):
+    from benchmarks import tune
+
+    csv_path = tmp_path / "fp8.csv"
+    csv_path.write_text("op,n,k,m,provider,kind,status,median_us\n"
+                        "fp8_scaled_mm,64,128,4,triton,ours,ok,9.0\n"
+                        "fp8_scaled_mm,64,128,4,cublas,ours,ok,12.0\n")
+    out = tmp_path / "fp8_sm90.json"
+    out.write_text(json.dumps({"family": "fp8", "arch": "sm90", "order": ["cublas", "triton"]}))
+    args = [str(csv_path), "--family", "fp8", "--op", "fp8_scaled_mm", "--out", str(out)]
+    assert tune.main(args + ["--op-rows", "--variant", "rowwise"]) == 0
+    data = json.loads(out.read_text())
+    assert data["op_shapes"] == {"fp8_scaled_mm:rowwise": {"64x128": [[tune.LAST_M, ["triton", "cublas"]]]}}
+    assert "--variant rowwise" in data["source"] and "shapes" not in data
+    with pytest.raises(SystemExit):
+        tune.main(args + ["--variant", "rowwise"])  # a variant names op rows
