@@ -1,6 +1,7 @@
 """``python -m benchmarks.selections [--out FILE]``: the backend automatic
-selection picks for every op of every family, every shape of the dsv3 and
-llama8b sets and every M of the default sweep (plus unaligned and edge M).
+selection picks for every op of every family, every shape of the dsv3,
+llama8b and llama8b_hf sets and every M of the default sweep (plus unaligned
+and edge M).
 
 A change to how the selection policy is stored must leave this output as it
 was: run it before and after and diff the two files.  Without ``--real`` (or
@@ -41,7 +42,7 @@ ARCHS = ("cpu", "sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm120")
 # The default sweep, unaligned M and the edges of the backends' M ranges.
 MS = (0, 1, 2, 3, 4, 5, 8, 16, 17, 31, 32, 33, 64, 65, 127, 128, 129, 256, 257, 1023, 1024, 1025, 4095,
       4096, 8192)
-SHAPE_SET_NAMES = ("dsv3", "llama8b")
+SHAPE_SET_NAMES = ("dsv3", "llama8b", "llama8b_hf")
 
 # name -> (families recorded, environment).  "default" records every family.
 CASES: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {

@@ -42,6 +42,8 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
     "dsv3_dense": _nk((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (36864, 7168), (7168, 18432)),
     # Llama-3-8B: fused qkv, o_proj, fused gate/up, down_proj.
     "llama8b": _nk((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
+    # Llama-3-8B as Hugging Face runs it: q/k/v and gate/up unfused (q and o 4096x4096).
+    "llama8b_hf": _nk((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)),
     # DeepSeek-V3 fused-A style skinny projections, K -> N.
     "fused_a": _nk((2112, 7168), (1536, 7168), (576, 7168), (256, 7168), (24576, 1536)),
     # Small enough for a CPU smoke run of every family (N, K multiples of 128).

@@ -30,7 +30,11 @@ rows alone: ``scaledmm.backends.load_auto_table`` installs them in a process.
 leaves the GEMM's rows as they are.  ``--variant V`` (with ``--op-rows``)
 writes them as the rows of one variant of the op's problems
 (``op_shapes["OP:V"]``): ``python -m benchmarks fp8`` times row-wise scales,
-so its rows are ``--op fp8_scaled_mm --variant rowwise``.
+so its rows are ``--op fp8_scaled_mm --variant rowwise``.  ``--any-shape``
+adds the rows of key ``"*"`` for the shapes a sweep lacks (a Hugging Face
+Llama runs q/k/v and gate/up unfused; the model benchmark, fused): per M,
+the backends ranked by the geometric mean over the swept shapes of their
+time over each shape's best.
 
 Examples
 --------
@@ -53,7 +57,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["rank_points", "build_table", "main"]
+__all__ = ["rank_points", "any_shape_points", "build_table", "main"]
 
 LAST_M = 2**31 - 1  # the last row of a shape covers every larger M
 # Providers of our op that are not candidates: auto is what the table drives,
@@ -124,6 +128,22 @@ def _merge(points: dict[int, list[tuple[str, float]]], ms: list[int], tolerance:
     return rows
 
 
+def any_shape_points(ranked: dict[tuple[int, int], dict[int, list[tuple[str, float]]]]
+                     ) -> dict[int, list[tuple[str, float]]]:
+    """Per M measured at every shape: the backends timed at every shape,
+    ranked by the geometric mean over shapes of their time over the
+    shape's best (1.0: fastest everywhere); the ``"*"`` rows' input."""
+    shapes = list(ranked.values())
+    out: dict[int, list[tuple[str, float]]] = {}
+    for m in sorted(set.intersection(*(set(p) for p in shapes))) if shapes else ():
+        per = [dict(p[m]) for p in shapes]
+        common = set.intersection(*(set(d) for d in per))
+        score = {b: math.exp(sum(math.log(d[b] / min(d.values())) for d in per) / len(per)) for b in common}
+        if score:
+            out[m] = sorted(score.items(), key=lambda bt: (bt[1], bt[0]))
+    return out
+
+
 def build_table(ranked: dict[tuple[int, int], dict[int, list[tuple[str, float]]]],
                 tolerance: float = 0.03, align: int = 4) -> dict[str, list[list]]:
     """Per-M rankings -> ``{"NxK": [[max_m, [names]], ...]}`` rows.
@@ -173,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="JSON file to write (default: stdout)")
     p.add_argument("--op-rows", action="store_true",
                    help="write the rows as --op's own (op_shapes[OP]) instead of the family's shapes")
+    p.add_argument("--any-shape", action="store_true",
+                   help="also write rows for every shape the sweep lacks (key '*'), ranked by the geometric "
+                        "mean over the swept shapes of each backend's time over the shape's best")
     p.add_argument("--variant", help="with --op-rows: the rows of one variant of the op's problems "
                    "(op_shapes['OP:VARIANT'], e.g. --op fp8_scaled_mm --variant rowwise)")
     p.add_argument("--kernel", help="write a kernel's tuned configs instead (scaledmm/tuning/kernels/"
@@ -197,10 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     if not ranked:
         print(f"{args.csv}: no timed {args.op} point of our backends", file=sys.stderr)
         return 1
+    table = build_table(ranked, args.tolerance)
+    if args.any_shape:
+        if len(ranked) < 2:
+            p.error(f"--any-shape needs a sweep of at least 2 shapes, {args.csv} has {len(ranked)}")
+        table["*"] = build_table({(0, 0): any_shape_points(ranked)}, args.tolerance)["0x0"]
     flags = f" --op {args.op} --op-rows" if args.op_rows else ""
     flags += f" --variant {args.variant}" if args.variant else ""
+    flags += " --any-shape" if args.any_shape else ""
     line = f"python -m benchmarks.tune {Path(args.csv).name}{flags}; {source}"
-    table = build_table(ranked, args.tolerance)
     data = {"family": args.family, "arch": args.arch, "source": line.rstrip("; ")}
     data.update({"op_shapes": {key: table}} if args.op_rows else {"shapes": table})
     if args.out and Path(args.out).exists():

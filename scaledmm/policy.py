@@ -22,7 +22,9 @@ backends' own predicates::
   ``SCALEDMM_<FAMILY>_BACKEND``) still reaches a switched-off backend.
 * ``shapes``: per weight shape ``NxK``, rows ``[max_m, [names]]`` in
   ascending ``max_m``; the first row with ``M <= max_m`` is tried first, then
-  the rest of ``order``.  Written by ``python -m benchmarks.tune``.
+  the rest of ``order``.  The key ``"*"`` holds the rows of every shape
+  without rows of its own (a model's shapes need not be the ones swept).
+  Written by ``python -m benchmarks.tune`` (``"*"``: ``--any-shape``).
 * ``op_shapes``: rows of the same form for one op of the family, used for
   that op instead of ``shapes`` (a family's ops need not share a winner:
   ``fp8_block_linear`` runs on ``triton`` or ``composite``, its GEMM on any
@@ -64,6 +66,7 @@ _KEYS = {"family", "arch", "order", "switches", "shapes", "op_shapes", "source",
 _OP = re.compile(r"^[a-z][a-z0-9_]*(:[a-z][a-z0-9_]*)?$")
 _ARCH = re.compile(r"^(cpu|cuda|sm\d+|[a-z][a-z0-9]*)$")
 _SHAPE = re.compile(r"^(\d+)x(\d+)$")
+ANY_SHAPE = (0, 0)  # the "*" key: N and K of a real shape are positive
 
 
 class PolicyError(ValueError):
@@ -119,14 +122,15 @@ class Policy:
         (['triton', 'cublas'], ['cublas', 'triton'], ['cublas', 'triton'])
         >>> p.auto_order(64, 128, 4, op="fp8_block_linear", variant="other")  # no rows of its own
         ['cublas', 'triton']
+        >>> q = Policy("fp8", "sm90", ("cublas", "triton"), {(0, 0): ((32, ("triton",)),)})
+        >>> q.auto_order(4096, 4096, 8), q.auto_order(4096, 4096, 64)  # "*": any shape
+        (['triton', 'cublas'], ['cublas', 'triton'])
         """
         base = [b for b in self.order if self.enabled(b, environ)]
-        rows = None
-        if op is not None and variant is not None:
-            rows = self.op_shapes.get(f"{op}:{variant}", {}).get((n, k))
-        if rows is None and op is not None:
-            rows = self.op_shapes.get(op, {}).get((n, k))
-        for max_m, names in self.shapes.get((n, k), ()) if rows is None else rows:
+        levels = [self.op_shapes.get(f"{op}:{variant}", {}) if op is not None and variant is not None else {},
+                  self.op_shapes.get(op, {}) if op is not None else {}, self.shapes]
+        rows = next((r for lv in levels for r in (lv.get((n, k)) or lv.get(ANY_SHAPE),) if r), ())
+        for max_m, names in rows:
             if m <= max_m:
                 first = [b for b in names if self.enabled(b, environ)]
                 return first + [b for b in base if b not in first]
@@ -205,9 +209,9 @@ def _shape_rows(where: str, name: str, shapes_in: Any, order: tuple[str, ...],
         _fail(where, name, 'an object {"NxK": rows}', shapes_in)
     shapes: dict[tuple[int, int], Rows] = {}
     for shape, rows in shapes_in.items():
-        match = _SHAPE.match(shape.lower()) if isinstance(shape, str) else None
-        if match is None or not int(match[1]) or not int(match[2]):
-            _fail(where, f"{name} key {shape!r}", "'NxK' with positive N and K", shape)
+        match = _SHAPE.match(shape.lower()) if isinstance(shape, str) and shape != "*" else None
+        if shape != "*" and (match is None or not int(match[1]) or not int(match[2])):
+            _fail(where, f"{name} key {shape!r}", "'NxK' with positive N and K, or '*'", shape)
         field = f"{name}[{shape!r}]"
         if not isinstance(rows, list) or not rows:
             _fail(where, field, "a non-empty list of [max_m, [names]] rows", rows)
@@ -223,12 +227,13 @@ def _shape_rows(where: str, name: str, shapes_in: Any, order: tuple[str, ...],
             if parsed and row[0] <= parsed[-1][0]:
                 _fail(where, field, "rows in strictly ascending max_m", [r[0] for r in rows])
             parsed.append((row[0], names))
-        shapes[(int(match[1]), int(match[2]))] = tuple(parsed)
+        shapes[ANY_SHAPE if match is None else (int(match[1]), int(match[2]))] = tuple(parsed)
     return shapes
 
 
 def _shape_json(shapes: Mapping[tuple[int, int], Rows]) -> dict[str, list]:
-    return {f"{n}x{k}": [[mm, list(names)] for mm, names in rows] for (n, k), rows in shapes.items()}
+    return {"*" if (n, k) == ANY_SHAPE else f"{n}x{k}": [[mm, list(names)] for mm, names in rows]
+            for (n, k), rows in shapes.items()}
 
 
 def load(families: Iterable[str], folder: Any = None) -> dict[str, dict[str, Policy]]:

@@ -46,9 +46,9 @@ def _entry(family: str, arch: str) -> Policy:
 
 
 def _shape_rows(table: dict) -> dict[str, list]:
-    """``{(n, k): [(max_m, names), ...]}`` in the policy file's form."""
-    return {f"{int(n)}x{int(k)}": sorted([int(mm), list(names)] for mm, names in rows)
-            for (n, k), rows in table.items()}
+    """``{(n, k) or "*": [(max_m, names), ...]}`` in the policy file's form."""
+    return {shape if shape == "*" else f"{int(shape[0])}x{int(shape[1])}":
+            sorted([int(mm), list(names)] for mm, names in rows) for shape, rows in table.items()}
 
 
 def set_priority(family: _registry.Family | str, arch: str, order: list[str]) -> None:

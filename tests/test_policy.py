@@ -1,8 +1,8 @@
 """The selection policy as data (scaledmm/policy.py, scaledmm/tuning/*.json).
 
-* The selections automatic choice makes at every (shape, M) of the dsv3 and
-  llama8b sweeps, on simulated sm80 / sm86 / sm89 / sm90 / sm100 / sm103 /
-  sm120 and the CPU, with the switches off and with explicit requests, equal
+* The selections automatic choice makes at every (shape, M) of the dsv3,
+  llama8b and llama8b_hf (unfused) shapes, on simulated sm80 / sm86 / sm89 /
+  sm90 / sm100 / sm103 / sm120 and the CPU, with the switches off and with explicit requests, equal
   the ones recorded in tests/data/selections.json (``python -m
   benchmarks.selections``; first recorded before the policy moved into data,
   re-recorded with each measured change of a policy file, so the diff of that
@@ -392,3 +392,51 @@ def test_tune_writes_variant_rows(tmp_path):
     assert "--variant rowwise" in data["source"] and "shapes" not in data
     with pytest.raises(SystemExit):
         tune.main(args + ["--variant", "rowwise"])  # a variant names op rows
+
+
+def test_any_shape_rows_serve_the_shapes_without_rows():
+    """``"*"`` rows: parsed from and written back to the file form, read for a
+    shape without rows of its own at the same level (before the levels below)."""
+    doc = {"family": "fp8", "arch": "sm90", "order": ["cublas", "triton"],
+           "shapes": {"*": [[4, ["triton"]]]},
+           "op_shapes": {"fp8_scaled_mm:rowwise": {"64x128": [[8, ["cublas"]]], "*": [[32, ["triton"]]]}}}
+    p = policy.parse(doc, "f.json")
+    mm = "fp8_scaled_mm"
+    assert p.auto_order(64, 128, 8, op=mm, variant="rowwise") == ["cublas", "triton"]  # its own row
+    assert p.auto_order(32, 128, 32, op=mm, variant="rowwise") == ["triton", "cublas"]  # "*" of the variant
+    assert p.auto_order(32, 128, 33, op=mm, variant="rowwise") == ["cublas", "triton"]  # past "*": order
+    assert p.auto_order(32, 128, 4, op=mm, variant="tensorwise") == ["triton", "cublas"]  # the family's "*"
+    assert p.auto_order(32, 128, 5, op=mm, variant="tensorwise") == ["cublas", "triton"]
+    saved = policy.snapshot()
+    try:
+        again = policy.replace("fp8", "sm00", p)
+        assert again.shapes == p.shapes and again.op_shapes == p.op_shapes
+        with backends.override_policy("fp8", "sm00", shapes={"*": [(2, ["triton"])]}) as q:
+            assert q.auto_order(8, 8, 2) == ["triton", "cublas"]
+    finally:
+        policy.restore(saved)
+    with pytest.raises(policy.PolicyError, match="'NxK' with positive N and K, or '\\*'"):
+        policy.parse({**doc, "shapes": {"**": [[4, ["triton"]]]}}, "f.json")
+
+
+def test_tune_any_shape_ranks_by_the_geometric_mean_over_shapes(tmp_path):
+    """At M = 4 triton wins one shape by 2x and loses the other by 10%: it
+    ranks first; at M = 8 it loses both; the unswept shapes get those rows."""
+    from benchmarks import tune
+
+    lines = ["op,n,k,m,provider,kind,status,median_us"]
+    for m, (t1, c1, t2, c2) in {4: (5.0, 10.0, 11.0, 10.0), 8: (12.0, 10.0, 11.0, 10.0)}.items():
+        lines += [f"fp8_scaled_mm,64,128,{m},triton,ours,ok,{t1}", f"fp8_scaled_mm,64,128,{m},cublas,ours,ok,{c1}",
+                  f"fp8_scaled_mm,32,256,{m},triton,ours,ok,{t2}", f"fp8_scaled_mm,32,256,{m},cublas,ours,ok,{c2}"]
+    csv_path = tmp_path / "fp8.csv"
+    csv_path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "fp8_sm90.json"
+    out.write_text(json.dumps({"family": "fp8", "arch": "sm90", "order": ["cublas", "triton"]}))
+    args = [str(csv_path), "--family", "fp8", "--op", "fp8_scaled_mm", "--op-rows", "--out", str(out)]
+    assert tune.main(args + ["--any-shape"]) == 0
+    rows = json.loads(out.read_text())["op_shapes"]["fp8_scaled_mm"]
+    assert rows["*"] == [[4, ["triton", "cublas"]], [tune.LAST_M, ["cublas", "triton"]]]
+    assert rows["32x256"] == [[tune.LAST_M, ["cublas", "triton"]]]
+    points = tune.any_shape_points(tune.rank_points([dict(zip(lines[0].split(","), r.split(",")))
+                                                     for r in lines[1:]], "fp8_scaled_mm"))
+    assert points[4][0][0] == "triton" and points[4][0][1] == pytest.approx((1.0 * 1.1) ** 0.5)
