@@ -22,7 +22,10 @@ to +-448 with NaN kept, round to nearest even e4m3.
   mode: every program reduces the partials (a max: order-free, so
   deterministic), program 0 writes the scale.  Two launches, no host sync,
   no memset.  The second pass walks the tiles backwards, so it starts on
-  the tiles the first pass read last (still in L2).
+  the tiles the first pass read last (still in L2).  A small input (a
+  decode batch, ``ONE_PROGRAM_ELEMENTS``) takes ``tensor_kernel`` instead:
+  one program holds all of x as one tile, so amax, scale and codes come
+  from one read and one launch (one CUDA-graph node instead of two).
 
 Read top to bottom: capability checks, config space, kernels, launcher,
 backend registration; the reference is ``ops.fp8.reference_quant``.
@@ -56,6 +59,7 @@ from .fp8_block_triton_quant import (
 
 __all__ = [
     "NAME",
+    "ONE_PROGRAM_ELEMENTS",
     "QuantConfig",
     "config_ok",
     "default_config",
@@ -74,6 +78,11 @@ IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # second pass reduces the partials from L2 in one 2 KB load.  The second pass
 # always loads AMAX_PROGRAMS lanes (masked), so its kernel does not depend on M.
 AMAX_PROGRAMS = 512
+# Per-tensor inputs whose power-of-two tile next_pow2(M) x next_pow2(K) holds
+# at most this many elements (a decode batch: M <= 8 at K = 4096, M <= 2 at
+# 14336) take the one-program kernel: the whole input in registers (at most
+# 64 elements per thread at 16 warps), one launch instead of two.
+ONE_PROGRAM_ELEMENTS = 32768
 
 # ----------------------------------------------------------------------------
 # Capability checks
@@ -290,6 +299,23 @@ def amax_kernel(x_ptr, part_ptr, M, K, stride_xm, tiles_k, n_tiles,
     tl.store(part_ptr + pid, tl.max(tl.max(acc, 1), 0))
 
 
+@triton.jit(do_not_specialize=["M"])
+def tensor_kernel(x_ptr, q_ptr, so_ptr, M, K, stride_xm, floor, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
+    """Dynamic per-tensor in one program holding the whole ``[M, K]`` input
+    as one tile: the amax of its finite ``|x|``, the scale, the codes (x is
+    read once)."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    s = _scale_of(tl.max(tl.max(tl.where(ax < float("inf"), ax, 0.0), 1), 0), floor)  # NaN < inf is false
+    tl.store(so_ptr, s)
+    tl.store(q_ptr + rows64[:, None] * K + cols[None, :], to_e4m3(x, s, SOFT_CVT, WIDEN, True), mask=mask)
+
+
 @triton.jit
 def _row_amax(ax):
     """Max of each row of a non-negative tile, NaN if the row holds one (the
@@ -360,8 +386,10 @@ def quant(x: torch.Tensor, scale: torch.Tensor | None = None, per_token: bool = 
         Without ``scale``: dynamic per-token (``[M, 1]``) instead of per-tensor (``[1]``).
     config : QuantConfig, optional
         Tile config (default: :func:`default_config`); must pass :func:`config_ok`.
+        Given for per-tensor mode, it always takes the two-launch kernels.
     reverse : bool
-        Per-tensor mode: walk the tiles backwards in the second pass (a tuning knob).
+        Per-tensor mode above ``ONE_PROGRAM_ELEMENTS``: walk the tiles
+        backwards in the second pass (a tuning knob).
 
     Returns
     -------
@@ -403,6 +431,11 @@ def quant(x: torch.Tensor, scale: torch.Tensor | None = None, per_token: bool = 
                 x, qv, scale, s_out, s_out, m, k, x.stride(0), scale.stride(0) if row else 0, tiles_k, n_tiles, 0,
                 floor, BLOCK_M=bm, BLOCK_K=bk, ROW_SCALE=row, DYNAMIC=False, NP=1, REVERSE=False,
                 SOFT_CVT=soft, WIDEN=widen, num_warps=nw)
+            return q, s_out
+        tile_m, tile_k = _next_pow2(m), _next_pow2(k)
+        if config is None and tile_m * tile_k <= ONE_PROGRAM_ELEMENTS:
+            tensor_kernel[(1,)](x, qv, s_out, m, k, x.stride(0), floor, BLOCK_M=tile_m, BLOCK_K=tile_k,
+                                SOFT_CVT=soft, WIDEN=widen, num_warps=max(4, min(16, tile_m * tile_k // 2048)))
             return q, s_out
         n_part = min(n_tiles, AMAX_PROGRAMS)
         part = torch.empty(n_part, dtype=torch.float32, device=x.device)

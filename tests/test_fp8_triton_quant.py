@@ -184,6 +184,8 @@ def _codegen_main() -> None:
                 "tensor_q": lambda: Q.scaled_kernel.warmup(
                     x, q, s, s, s, m, k, k, 1, 7, 3584, 512, 1e-10, BLOCK_M=st.block_m, BLOCK_K=st.block_k,
                     ROW_SCALE=False, DYNAMIC=True, NP=512, REVERSE=True, num_warps=st.num_warps, **flags),
+                "tensor_one": lambda: Q.tensor_kernel.warmup(
+                    x, q, s, 2, 14336, 14336, 1e-10, BLOCK_M=2, BLOCK_K=16384, num_warps=16, **flags),
                 "amax": lambda: Q.amax_kernel.warmup(
                     x, s, m, k, k, 7, 3584, BLOCK_M=st.block_m, BLOCK_K=st.block_k, num_warps=st.num_warps,
                     grid=(1,)),
@@ -203,7 +205,7 @@ def _codegen_main() -> None:
                 if not soft:
                     want.append(("cvt e4m3 RNE", "cvt.rn.satfinite.e4m3x2.f32" in ptx))
             failures += [f"{line}: missing {what}" for what, ok in want if not ok]
-        for kern in (Q.scaled_kernel, Q.token_kernel, Q.amax_kernel):
+        for kern in (Q.scaled_kernel, Q.token_kernel, Q.amax_kernel, Q.tensor_kernel):
             kern.device_caches.clear()  # binders remember the target per device id
     print("\n".join(failures) if failures else "codegen ok")
 
@@ -256,10 +258,12 @@ def test_can_implement_quant_modes():
 
 
 @parent
-def test_selection_on_sm90_quant_triton_gemm_cublas(monkeypatch):
+def test_selection_on_sm90_quant_triton_gemm_by_variant(monkeypatch):
     """The registry walk on a pretend sm90 device: quant_fp8 takes triton
-    (cublas has no quantizer), fp8_scaled_mm takes cublas (first in the
-    order) unless triton is requested."""
+    (cublas has no quantizer); fp8_scaled_mm with row-wise scales takes
+    triton at small M (the measured rows, '*' for a shape not swept) and
+    cublas at large M, with per-tensor scales cublas (the order); an explicit
+    request wins."""
     dev = torch.device("cuda", 0)
     backends.invalidate()
     monkeypatch.setattr(backends, "arch_key", lambda d: "sm90" if d.type == "cuda" else d.type)
@@ -268,11 +272,20 @@ def test_selection_on_sm90_quant_triton_gemm_cublas(monkeypatch):
         assert backends.priority("fp8", dev)[:2] == ["cublas", "triton"]
         pq = Problem(Family.FP8, dev, 7, 0, 7168, torch.bfloat16, FP8, 7168, (("quant", "per_token"),))
         assert backends.select(pq, "quant_fp8").name == "triton"
-        pm = Problem(Family.FP8, dev, 7, 2112, 7168, FP8, torch.bfloat16, 7168,
-                     (("scale_a", "token"), ("scale_b", "channel"), ("bias_dtype", None), ("b_aligned", True)))
-        assert backends.select(pm, "fp8_scaled_mm").name == "cublas"
+        def pm(m, n, tensorwise=False):
+            kinds = ("tensor", "tensor") if tensorwise else ("token", "channel")
+            return Problem(Family.FP8, dev, m, n, 7168, FP8, torch.bfloat16, 7168,
+                           (("scale_a", kinds[0]), ("scale_b", kinds[1]), ("bias_dtype", None), ("b_aligned", True),
+                            ("variant", "tensorwise" if tensorwise else "rowwise")))
+
+        for n in (2112, 1234 * 16):  # a swept shape, one without rows of its own
+            assert backends.select(pm(7, n), "fp8_scaled_mm").name == "triton"
+            assert backends.select(pm(4096, n), "fp8_scaled_mm").name == "cublas"
+            assert backends.select(pm(7, n, tensorwise=True), "fp8_scaled_mm").name == "cublas"
+        with scaledmm.use_backend("fp8", "cublas"):
+            assert backends.select(pm(7, 2112), "fp8_scaled_mm").name == "cublas"
         with scaledmm.use_backend("fp8", "triton"):
-            assert backends.select(pm, "fp8_scaled_mm").name == "triton"
+            assert backends.select(pm(4096, 2112), "fp8_scaled_mm").name == "triton"
         with scaledmm.use_backend("fp8", "cublas"):  # not its op: auto-selected as without the request
             assert backends.select(pq, "quant_fp8").name == "triton"
     finally:
@@ -330,13 +343,43 @@ if CHILD:
         for cfg in (Q.QuantConfig(1, 32, 1), Q.QuantConfig(2, 128, 2), Q.QuantConfig(4, 256, 1)):
             check(x, scale, per_token, config=cfg)
         if mode == "dynamic_tensor":
-            old = Q.AMAX_PROGRAMS
+            old = Q.AMAX_PROGRAMS, Q.ONE_PROGRAM_ELEMENTS
             try:
-                Q.AMAX_PROGRAMS = 3
+                Q.AMAX_PROGRAMS, Q.ONE_PROGRAM_ELEMENTS = 3, 0  # the two-launch path on a small input
                 for rev in (True, False):
                     check(x, None, False, config=Q.QuantConfig(2, 128, 2), reverse=rev)
             finally:
-                Q.AMAX_PROGRAMS = old
+                Q.AMAX_PROGRAMS, Q.ONE_PROGRAM_ELEMENTS = old
+
+    @interp
+    @pytest.mark.parametrize("m, k", [(1, 48), (3, 400), (8, 4096), (1, 32768), (1, 32784), (2, 16400),
+                                      (5, 4000)])
+    def test_per_tensor_one_program_and_two_launches_agree(m, k, monkeypatch):
+        """Both per-tensor paths against the reference on the same input, on
+        either side of ONE_PROGRAM_ELEMENTS (the padded tile counts), with NaN
+        / Inf left out of the amax and strided rows; a config always takes
+        the two launches."""
+        x = strided(torch.randn(m, k) * 7, 8).to(torch.bfloat16)
+        x[0, k // 3] = float("nan")
+        x[-1, -1] = -float("inf")
+        launched = []
+
+        def spy(name):
+            kernel = getattr(Q, name)
+            return type("Spy", (), {"__getitem__": lambda self, grid: launched.append(name) or kernel[grid]})()
+
+        monkeypatch.setattr(Q, "tensor_kernel", spy("tensor_kernel"))
+        monkeypatch.setattr(Q, "amax_kernel", spy("amax_kernel"))
+        tile = (1 << (m - 1).bit_length()) * (1 << (k - 1).bit_length())
+        for limit in (None, 0, tile - 1, tile):
+            if limit is not None:
+                monkeypatch.setattr(Q, "ONE_PROGRAM_ELEMENTS", limit)
+            for cfg in (None, Q.QuantConfig(1, 32, 1), Q.QuantConfig(2, 256, 2)):
+                launched.clear()
+                q, s = check(x, None, False, nan_sign=False, config=cfg)
+                assert torch.isfinite(s).all() and q[-1, -1].float() == -448
+                one = cfg is None and tile <= Q.ONE_PROGRAM_ELEMENTS
+                assert launched == (["tensor_kernel"] if one else ["amax_kernel"]), (limit, cfg, launched)
 
     @interp
     @pytest.mark.parametrize("mode", MODES)
@@ -382,8 +425,8 @@ if CHILD:
            mode=st.sampled_from(MODES), logmag=st.floats(-30, 30),
            dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
            cfg=st.sampled_from([None, Q.QuantConfig(1, 32, 1), Q.QuantConfig(4, 64, 2), Q.QuantConfig(2, 256, 4)]),
-           nonfinite=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
-    def test_hypothesis_shapes_values(m, k, pad, mode, logmag, dtype, cfg, nonfinite, seed):
+           nonfinite=st.integers(0, 3), seed=st.integers(0, 2**31 - 1), one_program=st.booleans())
+    def test_hypothesis_shapes_values(m, k, pad, mode, logmag, dtype, cfg, nonfinite, seed, one_program):
         torch.manual_seed(seed)  # drawn by Hypothesis: a failure replays and shrinks
         x = torch.randn(m, k) * 2.0 ** logmag
         if m and nonfinite:
@@ -392,7 +435,9 @@ if CHILD:
         x = strided(x.to(dtype), pad)
         scale, per_token = scale_for(mode, x)
         # a NaN scale (a NaN in a dynamic row or tensor) gives NaN codes whose sign IEEE leaves open
-        check(x, scale, per_token, nan_sign=not nonfinite, config=cfg)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(Q, "ONE_PROGRAM_ELEMENTS", 2**31 if one_program else 0)  # per-tensor: either path
+            check(x, scale, per_token, nan_sign=not nonfinite, config=cfg)
 
     @interp
     def test_op_through_the_backend_opcheck_and_fake():
@@ -481,13 +526,19 @@ def test_cuda_every_candidate_config(mode, poisoned):
 
 
 @requires_cuda
-def test_cuda_selects_triton_for_quant_cublas_for_gemm():
+def test_cuda_selects_triton_for_quant_and_small_m_rowwise_gemm():
+    """On the H200's policy: row-wise scales at M = 5 run the Triton GEMM
+    (the measured rows, '*' for this unswept shape), per-tensor scales cuBLAS."""
     x = torch.randn(5, 64, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(32, 64, device="cuda").to(FP8)
     with backends.record() as calls:
         q, s = OPS.quant_fp8(x, None, True)
         OPS.fp8_scaled_mm(q, w, s, torch.ones(32, device="cuda"))
-    assert [(op, name) for op, name, _ in calls] == [("quant_fp8", "triton"), ("fp8_scaled_mm", "cublas")]
+        qt, st_ = OPS.quant_fp8(x, None, False)
+        OPS.fp8_scaled_mm(qt, w, st_, torch.ones(1, device="cuda"))
+    want_rowwise = "triton" if backends.arch_key(torch.device("cuda")) == "sm90" else "cublas"
+    assert [(op, name) for op, name, _ in calls] == [("quant_fp8", "triton"), ("fp8_scaled_mm", want_rowwise),
+                                                     ("quant_fp8", "triton"), ("fp8_scaled_mm", "cublas")]
     ok, why = backends.get("fp8", "triton").check(calls[0][2])
     assert ok, why
     text = backends.report(file=io.StringIO())
