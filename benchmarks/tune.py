@@ -21,8 +21,9 @@ M that is not a multiple of 4 gets a row of its own only where its ranking
 caller's M (``scaledmm.backends.select(..., table_m=M)``).
 
 ``--out`` an existing policy file (``scaledmm/tuning/<family>_<arch>.json``)
-replaces its ``shapes`` and ``source`` and keeps the rest (order, switches,
-notes); the result is validated like a shipped file.  A new file holds the
+replaces the rows of the swept shapes and its ``source`` and keeps the rest
+(other shapes' rows, order, switches, notes; a dsv3 sweep leaves the llama8b
+rows alone); the result is validated like a shipped file.  A new file holds the
 rows alone: ``scaledmm.backends.load_auto_table`` installs them in a process.
 ``--op-rows`` writes the rows as ``--op``'s own (``op_shapes``), e.g. from
 ``python -m benchmarks fp8_block_linear``: ``--op fp8_block_linear
@@ -233,11 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     data.update({"op_shapes": {key: table}} if args.op_rows else {"shapes": table})
     if args.out and Path(args.out).exists():
         old = json.loads(Path(args.out).read_text())
+        # The swept shapes (and "*" with --any-shape) replace their rows; other shapes keep theirs.
         if args.op_rows:
-            data = {**old, "source": data["source"],
-                    "op_shapes": {**old.get("op_shapes", {}), key: table}}
+            ops = old.get("op_shapes", {})
+            data = {**old, "source": data["source"], "op_shapes": {**ops, key: {**ops.get(key, {}), **table}}}
         else:
-            data = {**old, "source": data["source"], "shapes": table}
+            data = {**old, "source": data["source"], "shapes": {**old.get("shapes", {}), **table}}
         if "order" in data:  # a policy file: rows naming a backend its order lacks fail here
             from scaledmm import policy
 

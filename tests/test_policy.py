@@ -295,7 +295,9 @@ def test_tune_replaces_the_rows_of_a_policy_file_and_keeps_the_rest(tmp_path):
     assert tune.main([str(csv_path), "--out", str(out), "--source", "unit test"]) == 0
     data = json.loads(out.read_text())
     assert data["order"] == shipped["order"] and data["notes"] == shipped["notes"]
-    assert data["shapes"] == {"2112x7168": [[tune.LAST_M, ["triton", "cublas"]]]} and "unit test" in data["source"]
+    assert data["shapes"]["2112x7168"] == [[tune.LAST_M, ["triton", "cublas"]]] and "unit test" in data["source"]
+    assert {s: r for s, r in data["shapes"].items() if s != "2112x7168"} == \
+        {s: r for s, r in shipped["shapes"].items() if s != "2112x7168"}  # the shapes not swept keep their rows
     csv_path.write_text(header + "fp8_block_mm,2112,7168,4,t_new,ours,ok,1.0\n")
     with pytest.raises(policy.PolicyError, match=r"row 2147483647: expected backends of order"):
         tune.main([str(csv_path), "--out", str(out)])
@@ -390,6 +392,10 @@ def test_tune_writes_variant_rows(tmp_path):
     data = json.loads(out.read_text())
     assert data["op_shapes"] == {"fp8_scaled_mm:rowwise": {"64x128": [[tune.LAST_M, ["triton", "cublas"]]]}}
     assert "--variant rowwise" in data["source"] and "shapes" not in data
+    data["op_shapes"]["fp8_scaled_mm:rowwise"]["32x256"] = [[4, ["cublas"]]]  # a shape this sweep lacks
+    out.write_text(json.dumps(data))
+    assert tune.main(args + ["--op-rows", "--variant", "rowwise"]) == 0
+    assert json.loads(out.read_text())["op_shapes"]["fp8_scaled_mm:rowwise"]["32x256"] == [[4, ["cublas"]]]
     with pytest.raises(SystemExit):
         tune.main(args + ["--variant", "rowwise"])  # a variant names op rows
 
