@@ -634,7 +634,8 @@ def run_family(args, device: torch.device, cfg: TimingConfig, env: dict, ceil, o
                         if compile_mode == "inductor" else ", fullgraph)"))
                   + f"; decode ms/step = (t(prompt + {args.gen_tokens} tokens) - t(prompt + 1 token)) / "
                   f"{args.gen_tokens - 1}, wall clock around synchronized calls, median of {reps} pairs after two "
-                  "warm-up generates; a fresh model per format from the same seed")
+                  "warm-up generates; GPU ms/step: the same difference of one pair under torch.profiler (CUDA "
+                  "activity), summed kernel/memcpy/memset time; a fresh model per format from the same seed")
         body = _header("model: generate", env, ceil, cfg, args.quick, method)
         # A run over some formats gets its own section, so runs split by format keep each other's.
         section = "model-generate" + ("" if set(formats) == set(FORMATS) else "-" + "-".join(formats))

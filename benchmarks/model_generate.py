@@ -9,8 +9,13 @@ auto-compile with our ``CompileConfig`` (fullgraph, Inductor with CUDA graphs
 and ``scaledmm.compile.passes()``).  Two warm-up generates (compilation, graph
 recording), then pairs of timed calls: time per decode step =
 (t(prompt + N new tokens) - t(prompt + 1 new token)) / (N - 1), which leaves
-out prefill, cache setup and the host work around the loop.  Each format is
-also compared with bf16 on the last-position logits of the prompt.
+out prefill, cache setup and the host work around the loop.  On a GPU the
+same difference of one profiled pair gives the GPU time per step (the sum of
+the kernel, memcpy and memset durations, ``torch.profiler`` with CUDA
+activity only): HF syncs every step, so the wall time is that plus the host
+work per step (Python, Dynamo's guards, the graph launch), and the GPU column
+is the part a kernel can change.  Each format is also compared with bf16 on
+the last-position logits of the prompt.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from .harness import rel_err
 from .model import BASE, MODELS, SEED, backend_names, first_line, module_bytes, quantize, release
 from .timing import Timing, percentile, synchronize
 
-__all__ = ["GenResult", "GEN_FIELDS", "build_causal_lm", "run_generate", "write_gen_csv", "gen_markdown"]
+__all__ = ["GenResult", "GEN_FIELDS", "build_causal_lm", "device_time_us", "run_generate", "write_gen_csv",
+           "gen_markdown"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,7 @@ class GenResult:
     weight_bytes: int = 0
     backend: str = ""
     note: str = ""
+    gpu_step_us: float = math.nan  # GPU time per decode step (profiled pair); NaN off a GPU
 
     @property
     def tokens_per_s(self) -> float:
@@ -59,8 +66,8 @@ class GenResult:
 
 
 GEN_FIELDS = ["model", "format", "batch", "prompt_tokens", "new_tokens", "status", "decode_ms", "decode_p20_ms",
-              "decode_p80_ms", "reps", "tokens_per_s", "vs_bf16", "prefill_ms", "logits_rel_err", "weights_gb",
-              "backend", "note"]
+              "decode_p80_ms", "reps", "tokens_per_s", "vs_bf16", "gpu_ms_per_step", "vs_bf16_gpu", "prefill_ms",
+              "logits_rel_err", "weights_gb", "backend", "note"]
 
 
 def build_causal_lm(name: str, device: torch.device) -> nn.Module:
@@ -108,6 +115,19 @@ def _generate(model, ids, cache, cc, n: int) -> torch.Tensor:
         # `past_key_values` is renamed `cache` in newer transformers; the old name works in all 5.x.
         warnings.simplefilter("ignore", FutureWarning)
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+
+
+def device_time_us(fn, device: torch.device) -> float:
+    """Microseconds of GPU work ``fn`` issues: the sum of the kernel, memcpy
+    and memset durations ``torch.profiler`` records (CUDA activity only, so
+    the host is barely slowed); NaN off a GPU."""
+    if device.type != "cuda":
+        return math.nan
+    synchronize(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        synchronize(device)
+    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def _timed(fn, device: torch.device) -> float:
@@ -188,6 +208,8 @@ def _gen_point(model, ids: torch.Tensor, cc, reps: int, ref_logits: dict, device
             tn = _timed(lambda: run(n), device)
             firsts.append(t1 * 1e3)
             steps.append(max(tn - t1, 0.0) / (n - 1) * 1e6)
+        gpu_n, gpu_1 = device_time_us(lambda: run(n), device), device_time_us(lambda: run(1), device)
+        base["gpu_step_us"] = (gpu_n - gpu_1) / (n - 1)
     except Exception as e:
         base["note"] = base.get("note", "") + first_line(e)
         return GenResult(status="error", **base)
@@ -196,10 +218,13 @@ def _gen_point(model, ids: torch.Tensor, cc, reps: int, ref_logits: dict, device
     return GenResult(status="ok", decode=decode, prefill_ms=percentile(firsts, 50), **base)
 
 
-def _gen_ratio(r: GenResult, results: Sequence[GenResult]) -> float | None:
+def _gen_ratio(r: GenResult, results: Sequence[GenResult], gpu: bool = False) -> float | None:
     base = next((x for x in results if x.fmt == BASE and x.batch == r.batch and x.decode), None)
     if base is None or r.decode is None:
         return None
+    if gpu:
+        ok = base.gpu_step_us > 0 and r.gpu_step_us > 0  # False for NaN
+        return base.gpu_step_us / r.gpu_step_us if ok else None
     return base.decode.median_us / r.decode.median_us
 
 
@@ -218,7 +243,8 @@ def write_gen_csv(path: Path, results: Sequence[GenResult]) -> None:
             w.writerow([r.model, r.fmt, r.batch, r.prompt, r.new_tokens, r.status,
                         f(t.median_us / 1e3 if t else None), f(t.p20_us / 1e3 if t else None),
                         f(t.p80_us / 1e3 if t else None), t.reps if t else "", f(r.tokens_per_s),
-                        f(_gen_ratio(r, results), 4), f(r.prefill_ms), f(r.logits_err),
+                        f(_gen_ratio(r, results), 4), f(r.gpu_step_us / 1e3), f(_gen_ratio(r, results, gpu=True), 4),
+                        f(r.prefill_ms), f(r.logits_err),
                         f(r.weight_bytes / 1e9), r.backend, r.note])
 
 
@@ -230,15 +256,19 @@ def gen_markdown(results: Sequence[GenResult]) -> str:
     out = [f"### generate: {MODELS[r0.model][0]}-shaped random model ({r0.model}), greedy, static cache, "
            f"prompt {r0.prompt}, {r0.new_tokens} new tokens\n",
            "Decode ms per step = per generated token of each sequence; tokens/s = batch / decode time per step; "
-           "**vs bf16** = bf16 time / format time.\n",
-           "| format | batch | decode ms/step [p20-p80] | tokens/s | vs bf16 | prompt + 1st token ms | "
-           "last-logits rel. error vs bf16 | weights GB |", "|---|---|---|---|---|---|---|---|"]
+           "**vs bf16** = bf16 time / format time; GPU ms/step = the GPU work of a step (kernels, copies), the "
+           "rest of a step being host work that does not overlap it.\n",
+           "| format | batch | decode ms/step [p20-p80] | tokens/s | vs bf16 | GPU ms/step | GPU vs bf16 | "
+           "prompt + 1st token ms | last-logits rel. error vs bf16 | weights GB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         t = r.decode
         step = f"{t.median_us / 1e3:.3f} [{t.p20_us / 1e3:.3f}-{t.p80_us / 1e3:.3f}]" if t else r.status.upper()
-        ratio = _gen_ratio(r, results)
+        ratio, gpu_ratio = _gen_ratio(r, results), _gen_ratio(r, results, gpu=True)
+        gpu = "" if math.isnan(r.gpu_step_us) else f"{r.gpu_step_us / 1e3:.3f}"
         out.append(f"| {r.fmt} | {r.batch} | {step} | {'' if t is None else f'{r.tokens_per_s:.1f}'} | "
-                   f"{'' if ratio is None else f'**{ratio:.2f}x**'} | "
+                   f"{'' if ratio is None else f'**{ratio:.2f}x**'} | {gpu} | "
+                   f"{'' if gpu_ratio is None else f'{gpu_ratio:.2f}x'} | "
                    f"{'' if math.isnan(r.prefill_ms) else f'{r.prefill_ms:.1f}'} | "
                    f"{'' if math.isnan(r.logits_err) else f'{r.logits_err:.3g}'} | {r.weight_bytes / 1e9:.3g} |")
     notes = [f"- {r.fmt} batch {r.batch}: {r.status.upper()}: {r.note}" for r in results if r.status != "ok" or r.note]

@@ -202,6 +202,8 @@ def test_generate_on_a_tiny_llama(tmp_path, capsys):
     assert float(rows["bf16"]["logits_rel_err"]) == 0.0 and float(rows["bf16"]["vs_bf16"]) == 1.0
     assert 1e-3 < float(rows["fp8"]["logits_rel_err"]) < 0.3
     assert float(rows["fp8"]["weights_gb"]) < float(rows["bf16"]["weights_gb"])
+    assert all(r["gpu_ms_per_step"] == "" and r["vs_bf16_gpu"] == "" for r in rows.values())  # no GPU here
+    assert "| GPU ms/step | GPU vs bf16 |" in out
     # A run over some formats writes its own section name.
     assert (tmp_path / "model-generate-fp8.md").read_text().strip() in out
     assert not (tmp_path / "model.csv").exists()
@@ -276,4 +278,5 @@ def test_gpu_generate_decodes_from_cuda_graphs():
     for r in res:
         # no note: transformers compiled the decode step and Inductor kept its CUDA graphs
         assert r.status == "ok" and r.note == "" and r.tokens_per_s > 0, r
+        assert 0 < r.gpu_step_us < r.decode.median_us, r  # the GPU part of a step, inside its wall time
         assert "fp8_block" not in r.fmt or "fp8_block_linear" in r.backend
