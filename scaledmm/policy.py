@@ -84,7 +84,8 @@ class Policy:
     order : tuple of str
         Backend names, tried first to last.
     shapes : mapping
-        ``(n, k) -> ((max_m, names), ...)``, ascending ``max_m``.
+        ``(n, k) -> ((max_m, names), ...)``, ascending ``max_m``; the key
+        ``ANY_SHAPE`` (``(0, 0)``, ``"*"`` in a file) serves shapes without rows.
     op_shapes : mapping
         ``op -> {(n, k) -> rows}``: rows for that op instead of ``shapes``.
     switches : mapping
@@ -111,8 +112,9 @@ class Policy:
     def auto_order(self, n: int, k: int, m: int, environ: Mapping[str, str] | None = None,
                    op: str | None = None, variant: str | None = None) -> list[str]:
         """Names tried for an ``M x K`` activation and an ``N x K`` weight
-        (the rows of ``op:variant`` for the shape when the policy has them,
-        else ``op``'s own, else the family's), switched-off backends left out.
+        (the rows of ``op:variant`` when the policy has them, else ``op``'s
+        own, else the family's; at each of these levels the shape's own rows,
+        else the level's ``"*"`` rows), switched-off backends left out.
 
         Examples
         --------
