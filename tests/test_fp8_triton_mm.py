@@ -229,18 +229,12 @@ def test_can_implement_and_registry_entry():
 
 
 @parent
-def test_explicit_request_reaches_triton_on_sm90(monkeypatch):
-    dev = torch.device("cuda", 0)
-    backends.invalidate()
-    monkeypatch.setattr(backends, "arch_key", lambda d: "sm90" if d.type == "cuda" else d.type)
-    monkeypatch.setattr(backends, "supported_on", lambda b, d: (True, "pretend"))
-    try:
-        pm = mm_problem(device="cuda")
+def test_explicit_request_reaches_triton_on_sm90():
+    from benchmarks import selections
+
+    with selections.simulated("sm90") as dev:
         with scaledmm.use_backend(Family.FP8, "triton"):
-            assert backends.select(pm, "fp8_scaled_mm").name == "triton"
-    finally:
-        monkeypatch.undo()  # the real probe cache first: invalidate() clears it
-        backends.invalidate()
+            assert backends.select(mm_problem(device=dev), "fp8_scaled_mm").name == "triton"
 
 
 @parent

@@ -18,6 +18,7 @@ Three groups:
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import subprocess
@@ -38,7 +39,7 @@ requires_cuda = pytest.mark.skipif(CHILD or not torch.cuda.is_available(), reaso
 
 pytest.importorskip("triton")
 
-import scaledmm  # noqa: E402,F401  (registers the ops)
+import scaledmm  # noqa: E402  (registers the ops)
 from scaledmm import backends  # noqa: E402
 from scaledmm.backends import Family, Problem  # noqa: E402
 from scaledmm.device import interpreting  # noqa: E402
@@ -258,39 +259,35 @@ def test_can_implement_quant_modes():
 
 
 @parent
-def test_selection_on_sm90_quant_triton_gemm_by_variant(monkeypatch):
-    """The registry walk on a pretend sm90 device: quant_fp8 takes triton
+def test_selection_on_sm90_quant_triton_gemm_by_variant():
+    """The registry walk on a simulated sm90 device: quant_fp8 takes triton
     (cublas has no quantizer); fp8_scaled_mm with row-wise scales takes
     triton at small M (the measured rows, '*' for a shape not swept) and
     cublas at large M, with per-tensor scales cublas (the order); an explicit
-    request wins."""
-    dev = torch.device("cuda", 0)
-    backends.invalidate()
-    monkeypatch.setattr(backends, "arch_key", lambda d: "sm90" if d.type == "cuda" else d.type)
-    monkeypatch.setattr(backends, "supported_on", lambda b, d: (True, "pretend"))
-    try:
+    request wins.  The GEMM Problems come from the op's own builder, so the
+    variant is the one the op declares."""
+    from benchmarks import selections
+
+    def pm(dev, m, n, tensorwise=False):
+        a = torch.empty(m, 7168, dtype=FP8)
+        b = torch.empty(1, 7168, dtype=FP8).expand(n, 7168)  # the builder reads b's shape and address only
+        kinds = (base.TENSOR, base.TENSOR) if tensorwise else (base.TOKEN, base.CHANNEL)
+        return dataclasses.replace(base.mm_problem(a, b, *kinds, None, torch.bfloat16), device=dev)
+
+    with selections.simulated("sm90") as dev:
         assert backends.priority("fp8", dev)[:2] == ["cublas", "triton"]
         pq = Problem(Family.FP8, dev, 7, 0, 7168, torch.bfloat16, FP8, 7168, (("quant", "per_token"),))
         assert backends.select(pq, "quant_fp8").name == "triton"
-        def pm(m, n, tensorwise=False):
-            kinds = ("tensor", "tensor") if tensorwise else ("token", "channel")
-            return Problem(Family.FP8, dev, m, n, 7168, FP8, torch.bfloat16, 7168,
-                           (("scale_a", kinds[0]), ("scale_b", kinds[1]), ("bias_dtype", None), ("b_aligned", True),
-                            ("variant", "tensorwise" if tensorwise else "rowwise")))
-
         for n in (2112, 1234 * 16):  # a swept shape, one without rows of its own
-            assert backends.select(pm(7, n), "fp8_scaled_mm").name == "triton"
-            assert backends.select(pm(4096, n), "fp8_scaled_mm").name == "cublas"
-            assert backends.select(pm(7, n, tensorwise=True), "fp8_scaled_mm").name == "cublas"
+            assert backends.select(pm(dev, 7, n), "fp8_scaled_mm").name == "triton"
+            assert backends.select(pm(dev, 4096, n), "fp8_scaled_mm").name == "cublas"
+            assert backends.select(pm(dev, 7, n, tensorwise=True), "fp8_scaled_mm").name == "cublas"
         with scaledmm.use_backend("fp8", "cublas"):
-            assert backends.select(pm(7, 2112), "fp8_scaled_mm").name == "cublas"
+            assert backends.select(pm(dev, 7, 2112), "fp8_scaled_mm").name == "cublas"
         with scaledmm.use_backend("fp8", "triton"):
-            assert backends.select(pm(4096, 2112), "fp8_scaled_mm").name == "triton"
+            assert backends.select(pm(dev, 4096, 2112), "fp8_scaled_mm").name == "triton"
         with scaledmm.use_backend("fp8", "cublas"):  # not its op: auto-selected as without the request
             assert backends.select(pq, "quant_fp8").name == "triton"
-    finally:
-        monkeypatch.undo()  # the real probe cache first: invalidate() clears it
-        backends.invalidate()
 
 
 @parent
