@@ -47,7 +47,7 @@ def _problem(args):
 
     x, b, b_s, block, out_dtype, bias = args
     ops.check_linear_args(x, b, b_s, block, out_dtype, bias)
-    return ops.problem(x, b, block, out_dtype, False)
+    return ops.linear_problem(x, b, block, out_dtype)
 
 
 def _quant_then(name: str) -> Provider:

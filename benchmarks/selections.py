@@ -106,7 +106,7 @@ def problems(family: str, device: torch.device, m: int, n: int,
             yield f"padded_fp8_block_mm[{tag}]", mm(-(-m // 4) * 4, out, col), "fp8_block_mm", m
         yield ("fp8_block_linear[bfloat16]",
                Problem(fam, device, m, n, k, bf16, bf16, k,
-                       (("block_size", (128, 128)), ("a_scales_col_major", False))),
+                       (("block_size", (128, 128)), ("a_scales_col_major", False), ("aligned16", True))),
                "fp8_block_linear", None)
     elif family == "fp8":
         fam = Family.FP8
@@ -120,6 +120,10 @@ def problems(family: str, device: torch.device, m: int, n: int,
                     ("variant", variant))
             yield (f"fp8_scaled_mm[{ka},{kb},{bias},{out}]", Problem(fam, device, m, n, k, fp8, out, k, opts),
                    "fp8_scaled_mm", None)
+        for mode, kb in (("per_token", "channel"), ("per_tensor", "tensor"), ("static", "tensor")):
+            variant = "tensorwise" if mode != "per_token" and kb == "tensor" else "rowwise"
+            opts = (("quant", mode), ("scale_b", kb), ("bias_dtype", None), ("aligned16", True), ("variant", variant))
+            yield (f"fp8_linear[{mode},{kb}]", Problem(fam, device, m, n, k, bf16, bf16, k, opts), "fp8_linear", None)
     elif family == "nvfp4":
         fam = Family.NVFP4
         yield ("nvfp4_quant[bfloat16]", Problem(fam, device, m, 0, k, bf16, torch.uint8, k, (("swizzle", True),)),

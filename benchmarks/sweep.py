@@ -129,7 +129,14 @@ def _always(device):
     return True, ""
 
 
-_GEMV, _MID = "scaledmm.ops.nvfp4_gemv", "scaledmm.ops.nvfp4_mid"
+def _fp8_gemv_configs(args, device):
+    from scaledmm.ops import fp8_gemv as fg
+
+    x, b = args[0], args[1]
+    return fg.candidate_configs(b.shape[0], b.shape[1], fg.m_bucket(x.shape[0]))
+
+
+_GEMV, _MID, _FP8_GEMV = "scaledmm.ops.nvfp4_gemv", "scaledmm.ops.nvfp4_mid", "scaledmm.ops.fp8_gemv"
 KERNELS: dict[str, SweepKernel] = {
     "fp8_block_triton": SweepKernel("fp8_block", "fp8_block_mm", "scaledmm.ops.fp8_block_triton.MMConfig",
                                     _fp8_block_triton_configs, _fp8_block_triton_call, _always, "dsv3",
@@ -142,6 +149,11 @@ KERNELS: dict[str, SweepKernel] = {
                               _cuda_call(_GEMV, "gemv_mm"), _gate(_GEMV), "llama8b", (1, 2, 4, 8, 16, 32)),
     "nvfp4_gemv_w4a16": SweepKernel("nvfp4", "nvfp4_w4a16_mm", f"{_GEMV}.GemvConfig", _cuda_configs(_GEMV, True),
                                     _cuda_call(_GEMV, "gemv_w4a16"), _gate(_GEMV), "llama8b", (1, 2, 4, 8, 16)),
+    "fp8_gemv": SweepKernel("fp8_linear", "fp8_linear", f"{_FP8_GEMV}.GemvConfig", _fp8_gemv_configs,
+                            _cuda_call(_FP8_GEMV, "gemv_linear"), _gate(_FP8_GEMV), "llama8b", (1, 2, 4, 8, 16)),
+    "fp8_gemv_block": SweepKernel("fp8_block_linear", "fp8_block_linear", f"{_FP8_GEMV}.GemvConfig",
+                                  _fp8_gemv_configs, _cuda_call(_FP8_GEMV, "gemv_block_linear"), _gate(_FP8_GEMV),
+                                  "dsv3", (1, 2, 4, 8, 16)),
     "nvfp4_mid": SweepKernel("nvfp4", "nvfp4_mm", f"{_MID}.MidConfig", _cuda_configs(_MID, False),
                              _cuda_call(_MID, "mid_mm"), _gate(_MID), "llama8b", (32, 64, 128, 256)),
     "nvfp4_mid_w4a16": SweepKernel("nvfp4", "nvfp4_w4a16_mm", f"{_MID}.MidConfig", _cuda_configs(_MID, True),

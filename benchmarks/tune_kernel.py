@@ -65,6 +65,7 @@ KERNELS: dict[str, Kernel] = {
     "fp8_block_triton": Kernel("scaledmm.ops.fp8_block_triton", "MMConfig", "bucket", "m_bucket_max"),
     "nvfp4_gemv": Kernel("scaledmm.ops.nvfp4_gemv", "GemvConfig", "bucket", "m_bucket"),
     "nvfp4_gemv_w4a16": Kernel("scaledmm.ops.nvfp4_gemv", "GemvConfig", "bucket", "m_bucket"),
+    "fp8_gemv": Kernel("scaledmm.ops.fp8_gemv", "GemvConfig", "bucket", "m_bucket"),
     "nvfp4_mid": Kernel("scaledmm.ops.nvfp4_mid", "MidConfig", "bucket", "m_bucket"),
     "nvfp4_mid_w4a16": Kernel("scaledmm.ops.nvfp4_mid", "MidConfig", "bucket", "m_bucket"),
     "skinny_fused_a": Kernel("scaledmm.ops.skinny_fused_a", "RegConfig", "bucket", "m_bucket"),

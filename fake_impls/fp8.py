@@ -15,3 +15,9 @@ def _(x, scale=None, per_token=False):
 def _(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
     ops.check_mm_args("fp8_scaled_mm", a, b, scale_a, scale_b, bias, out_dtype)
     return ops.mm_output(a, b, out_dtype)
+
+
+@torch.library.register_fake("scaledmm::fp8_linear")
+def _(x, b, scale_b, scale_x=None, per_token=False, bias=None, out_dtype=torch.bfloat16):
+    ops.check_linear_args(x, b, scale_b, scale_x, per_token, bias, out_dtype)
+    return torch.empty((x.shape[0], b.shape[0]), dtype=out_dtype, device=x.device)

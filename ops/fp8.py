@@ -1,7 +1,7 @@
 """FP8 GEMM with per-tensor / per-token / per-channel scales (SPEC.md "FP8
 per-tensor / per-channel GEMM with load-time padding").
 
-Two ops:
+Three ops:
 
 * ``quant_fp8(x, scale=None, per_token=False) -> (q, scale)``: e4m3 codes of a
   ``[M, K]`` activation with a static scale, a dynamic per-tensor scale
@@ -12,6 +12,11 @@ Two ops:
   element or ``[M, 1]`` and ``scale_b`` one element, ``[N]`` or ``[1, N]``.
   K and N must be multiples of 16 (what cuBLAS needs); layers get there by
   padding the weight once at load time (``scaledmm.layers.Fp8Linear``).
+* ``fp8_linear(x, b, scale_b, scale_x=None, per_token=False, bias=None,
+  out_dtype=bf16)``: ``quant_fp8(x, scale_x, per_token)`` then
+  ``fp8_scaled_mm`` in one op (what ``Fp8Linear`` calls), so a backend may do
+  both in one launch (``cuda_gemv``, ops/fp8_gemv.py, at small M); the codes
+  and scales are the quantizer's, bit for bit.
 
 Read top to bottom: shapes and checks (shared with the fake impls), reference
 math (the CPU implementation, a GPU backend too), the cuBLAS backend
@@ -152,6 +157,58 @@ def mm_output(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch
     return torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
 
 
+def quant_mode(scale: torch.Tensor | None, per_token: bool) -> str:
+    """``quant_fp8``'s mode: ``static``, ``static_token``, ``per_token`` or ``per_tensor``."""
+    if scale is not None:
+        return "static_token" if per_token else "static"
+    return "per_token" if per_token else "per_tensor"
+
+
+def check_linear_args(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, scale_x: torch.Tensor | None,
+                      per_token: bool, bias: torch.Tensor | None, out_dtype: torch.dtype) -> str:
+    """Validate ``fp8_linear`` arguments (those of ``quant_fp8`` on ``x`` and
+    of ``fp8_scaled_mm`` on the codes); returns the kind of ``scale_b``."""
+    op = "fp8_linear"
+    V.check_dtype(op, "x", x, V.ACT_DTYPES)
+    V.check_rank(op, "x", x, 2)
+    V.check_inner_stride(op, "x", x)
+    V.check_dtype(op, "b", b, FP8_DTYPE)
+    V.check_rank(op, "b", b, 2)
+    V.check_contiguous(op, "b", b)
+    V.check_dim(op, "b", b, 1, x.shape[1], "K = x.shape[1]")
+    m, k = x.shape
+    n = b.shape[0]
+    V.check_divisible(op, "x", k, ALIGN_K, "K = x.shape[1]")
+    V.check_divisible(op, "b", n, ALIGN_N, "N = b.shape[0]")
+    if scale_x is not None:
+        V.check_dtype(op, "scale_x", scale_x, torch.float32)
+        if per_token:
+            V.check_shape(op, "scale_x", scale_x, (m, 1), "[M, 1] static per-token scale, per_token=True")
+        elif not _is_one_element(scale_x):
+            V.fail(op, "scale_x", "a one-element tensor (0-D, [1] or [1, 1]) for a static per-tensor scale "
+                   "(pass per_token=True for [M, 1])", f"shape {tuple(scale_x.shape)}")
+    kind_b = scale_b_kind(op, scale_b, n)
+    if bias is not None:
+        V.check_dtype(op, "bias", bias, V.FLOAT_OUT_DTYPES)
+        V.check_shape(op, "bias", bias, (n,), "N = b.shape[0]")
+    V.check_out_dtype(op, out_dtype)
+    V.check_same_device(op, x=x, b=b, scale_b=scale_b, scale_x=scale_x, bias=bias)
+    return kind_b
+
+
+def linear_problem(x, b, scale_x, per_token, kind_b: str, bias, out_dtype) -> Problem:
+    """The ``fp8_linear`` Problem; its policy variant is the GEMM's (as
+    :func:`mm_problem` names it for the codes' scale)."""
+    mode = quant_mode(scale_x, per_token)
+    kind_a = TOKEN if mode in ("per_token", "static_token") else TENSOR
+    variant = "tensorwise" if kind_a == TENSOR and kind_b == TENSOR else "rowwise"
+    return Problem(
+        FAMILY, x.device, x.shape[0], b.shape[0], x.shape[1], x.dtype, out_dtype, x.stride(0),
+        (("quant", mode), ("scale_b", kind_b), ("bias_dtype", None if bias is None else bias.dtype),
+         ("aligned16", V.aligned16(x, b)), ("variant", variant)),
+    )
+
+
 def mm_problem(a, b, kind_a: str, kind_b: str, bias, out_dtype) -> Problem:
     # The policy variant: per-tensor and row-wise scales have different winners
     # (cuBLAS's per-tensor kernel is fast where its row-wise one is not).
@@ -159,16 +216,8 @@ def mm_problem(a, b, kind_a: str, kind_b: str, bias, out_dtype) -> Problem:
     return Problem(
         FAMILY, a.device, a.shape[0], b.shape[0], a.shape[1], a.dtype, out_dtype, a.stride(0),
         (("scale_a", kind_a), ("scale_b", kind_b), ("bias_dtype", None if bias is None else bias.dtype),
-         ("b_aligned", _aligned16(b)), ("variant", variant)),
+         ("b_aligned", V.aligned16(b)), ("variant", variant)),
     )
-
-
-def _aligned16(t: torch.Tensor) -> bool:
-    """Whether ``t``'s data starts on a 16-byte boundary (False for fake tensors)."""
-    try:
-        return t.data_ptr() % 16 == 0
-    except Exception:  # FakeTensor / meta: no address
-        return False
 
 
 # ----------------------------------------------------------------------------
@@ -265,6 +314,42 @@ def reference_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
     out.copy_(_epilogue(acc, _scale_view(scale_a, kind_a, True), _scale_view(scale_b, kind_b, False),
                         bias, out_dtype))
     return out
+
+
+def reference_linear(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, scale_x: torch.Tensor | None = None,
+                     per_token: bool = False, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``fp8_linear`` by its definition: :func:`reference_quant`, then
+    :func:`reference_mm`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops.fp8 import reference_linear, reference_quant
+    >>> w, ws = reference_quant(torch.randn(32, 64), per_token=True)
+    >>> reference_linear(torch.randn(3, 64), w, ws.reshape(-1), per_token=True).shape
+    torch.Size([3, 32])
+    """
+    check_linear_args(x, b, scale_b, scale_x, per_token, bias, out_dtype)
+    q, s = reference_quant(x, scale_x, per_token)
+    return reference_mm(q, b, s, scale_b, bias, out_dtype)
+
+
+def composite_linear(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, scale_x: torch.Tensor | None = None,
+                     per_token: bool = False, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``fp8_linear`` as the two ops, each selected as if called alone.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops.fp8 import composite_linear, reference_quant
+    >>> w, ws = reference_quant(torch.randn(32, 64), per_token=True)
+    >>> composite_linear(torch.randn(3, 64), w, ws.reshape(-1), per_token=True).dtype
+    torch.bfloat16
+    """
+    q, s = torch.ops.scaledmm.quant_fp8(x, scale_x, per_token)
+    return torch.ops.scaledmm.fp8_scaled_mm(q, b, s, scale_b, bias, out_dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -381,6 +466,12 @@ def _mm_impl(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
                a, b, scale_a, scale_b, bias, out_dtype)
 
 
+def _linear_impl(x, b, scale_b, scale_x=None, per_token=False, bias=None, out_dtype=torch.bfloat16):
+    kind_b = check_linear_args(x, b, scale_b, scale_x, per_token, bias, out_dtype)
+    return run(linear_problem(x, b, scale_x, per_token, kind_b, bias, out_dtype), "fp8_linear",
+               x, b, scale_b, scale_x, per_token, bias, out_dtype)
+
+
 quant_fp8 = define(
     "quant_fp8",
     "(Tensor x, Tensor? scale=None, bool per_token=False) -> (Tensor q, Tensor scale)",
@@ -392,9 +483,16 @@ fp8_scaled_mm = define(
     _mm_impl,
 )
 
+fp8_linear = define(
+    "fp8_linear",
+    "(Tensor x, Tensor b, Tensor scale_b, Tensor? scale_x=None, bool per_token=False, Tensor? bias=None, "
+    "ScalarType out_dtype=15) -> Tensor",
+    _linear_impl,
+)
+
 backends.register(Backend(
     FAMILY, "reference",
-    impls={"quant_fp8": reference_quant, "fp8_scaled_mm": reference_mm},
+    impls={"quant_fp8": reference_quant, "fp8_scaled_mm": reference_mm, "fp8_linear": reference_linear},
     description="plain torch math (fp32 matmul of the fp8 values, then scales); any device",
 ))
 backends.register(Backend(
@@ -404,4 +502,9 @@ backends.register(Backend(
     is_supported=_cublas_supported,
     can_implement=_cublas_can_implement,
     description="torch._scaled_mm: per-tensor or row-wise scales, bias fused when cuBLASLt can",
+))
+backends.register(Backend(
+    FAMILY, "composite",
+    impls={"fp8_linear": composite_linear},
+    description="fp8_linear as quant_fp8 + fp8_scaled_mm, each selected as if called alone",
 ))

@@ -127,6 +127,13 @@ def problem(a: torch.Tensor, b: torch.Tensor, block_size, out_dtype, col_major: 
     )
 
 
+def linear_problem(x: torch.Tensor, b: torch.Tensor, block_size, out_dtype) -> Problem:
+    """The ``fp8_block_linear`` Problem: the GEMM's, and whether the vector
+    loads of a one-launch kernel can read ``x`` and ``b`` (``aligned16``)."""
+    p = problem(x, b, block_size, out_dtype, False)
+    return dataclasses.replace(p, options=p.options + (("aligned16", V.aligned16(x, b)),))
+
+
 # ----------------------------------------------------------------------------
 # Reference math (the CPU implementation; also a GPU backend)
 # ----------------------------------------------------------------------------
@@ -439,7 +446,7 @@ def _dynamic_padded_mm_impl(a, b, a_scales, b_scales, block_size=(128, 128), out
 
 def _linear_impl(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None):
     check_linear_args(x, b, b_scales, block_size, out_dtype, bias)
-    p = problem(x, b, block_size, out_dtype, False)
+    p = linear_problem(x, b, block_size, out_dtype)
     return run(p, "fp8_block_linear", x, b, b_scales, block_size, out_dtype, bias)
 
 

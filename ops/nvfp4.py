@@ -328,24 +328,16 @@ def quant_problem(x: torch.Tensor, swizzle: bool) -> Problem:
                    (("swizzle", bool(swizzle)),))
 
 
-def _aligned16(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether both data pointers are 16-byte aligned (False for fake tensors)."""
-    try:
-        return a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-    except Exception:  # FakeTensor / meta: no address
-        return False
-
-
 def mm_problem(a: torch.Tensor, b: torch.Tensor, out_dtype, bias) -> Problem:
     return Problem(FAMILY, a.device, a.shape[0], b.shape[0], 2 * a.shape[1], a.dtype, out_dtype,
                    2 * a.stride(0),
-                   (("bias", bias is not None), ("w4a16", False), ("aligned16", _aligned16(a, b))))
+                   (("bias", bias is not None), ("w4a16", False), ("aligned16", V.aligned16(a, b))))
 
 
 def w4a16_problem(x: torch.Tensor, b: torch.Tensor, out_dtype, bias) -> Problem:
     return Problem(FAMILY, x.device, x.shape[0], b.shape[0], x.shape[1], x.dtype, out_dtype,
                    x.stride(0),
-                   (("bias", bias is not None), ("w4a16", True), ("aligned16", _aligned16(x, b))))
+                   (("bias", bias is not None), ("w4a16", True), ("aligned16", V.aligned16(x, b))))
 
 
 # ----------------------------------------------------------------------------

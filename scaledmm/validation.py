@@ -144,3 +144,19 @@ def check_scalar_like(op: str, arg: str, t: torch.Tensor, dtype: torch.dtype = t
     check_dtype(op, arg, t, dtype)
     if t.numel() != 1:
         fail(op, arg, "a tensor with one element", f"shape {tuple(t.shape)}")
+
+
+def aligned16(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor's data starts on a 16-byte boundary (what vector
+    loads need); False for fake and meta tensors, which have no address.
+
+    Examples
+    --------
+    >>> import torch
+    >>> aligned16(torch.zeros(8)), aligned16(torch.zeros(8)[1:])
+    (True, False)
+    """
+    try:
+        return all(t.data_ptr() % 16 == 0 for t in tensors)
+    except Exception:  # FakeTensor / meta: no address
+        return False

@@ -160,7 +160,7 @@ def test_forward_moves_no_weight_bytes(per_channel, activation):
     mm_calls = 0
     for func, ins, outs in log.calls:
         reads_w = any(t.untyped_storage().data_ptr() == w_storage for t in ins)
-        if func is OPS.fp8_scaled_mm.default:
+        if func is OPS.fp8_linear.default:
             mm_calls += 1
             assert ins[1].data_ptr() == ptr and ins[1].shape == w.shape  # the weight, in place
         else:
@@ -197,7 +197,7 @@ def test_m0_and_bad_forward_inputs():
     assert layer(torch.zeros(2, 0, 40, dtype=torch.bfloat16)).shape == (2, 0, 24)
     with pytest.raises(ValueError, match="^Fp8Linear: x: expected"):
         layer(torch.zeros(3, 41, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="^quant_fp8: x: expected"):
+    with pytest.raises(ValueError, match="^fp8_linear: x: expected"):
         layer(torch.zeros(3, 40, dtype=torch.int32))
     fresh = Fp8Linear(40, 24)
     with pytest.raises(RuntimeError, match="process_weights_after_loading"):

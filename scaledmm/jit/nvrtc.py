@@ -293,6 +293,7 @@ class CudaKernel:
         self.fn = fn
         self._funcs: dict[int, Any] = {}
         self._smem_set: dict[int, int] = {}
+        self._occupancy: dict[tuple[int, int, int], int] = {}
 
     def function(self, device_index: int):
         f = self._funcs.get(device_index)
@@ -301,6 +302,29 @@ class CudaKernel:
             f = _check(cuda_driver().cuModuleGetFunction(mod, self.fn.encode()), f"cuModuleGetFunction({self.fn})")
             self._funcs[device_index] = f
         return f
+
+    def _allow_smem(self, idx: int, func: Any, shared_mem: int) -> None:
+        """Raise the kernel's dynamic shared-memory limit (once) when above 48 KiB."""
+        if shared_mem > 48 * 1024 and self._smem_set.get(idx, 0) < shared_mem:
+            drv = cuda_driver()
+            _check(drv.cuFuncSetAttribute(
+                func, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem),
+                "cuFuncSetAttribute(max dynamic shared memory)")
+            self._smem_set[idx] = shared_mem
+
+    def max_active_blocks(self, block: int, shared_mem: int, device_index: int) -> int:
+        """CTAs of ``block`` threads and ``shared_mem`` dynamic bytes that fit on
+        one SM at once (the driver's occupancy calculator; cached)."""
+        key = (device_index, int(block), int(shared_mem))
+        n = self._occupancy.get(key)
+        if n is None:
+            _ensure_context(device_index)
+            func = self.function(device_index)
+            self._allow_smem(device_index, func, shared_mem)
+            n = int(_check(cuda_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(func, int(block), int(shared_mem)),
+                           f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.fn})"))
+            self._occupancy[key] = n
+        return n
 
     def launch(self, grid: Sequence[int] | int, block: Sequence[int] | int, args: Sequence[Any], *,
                device: Any = None, shared_mem: int = 0, stream: Any = None, pdl: bool = False) -> None:
@@ -357,11 +381,7 @@ class CudaKernel:
         _ensure_context(idx)
         drv = cuda_driver()
         func = self.function(idx)
-        if shared_mem > 48 * 1024 and self._smem_set.get(idx, 0) < shared_mem:
-            _check(drv.cuFuncSetAttribute(
-                func, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem),
-                "cuFuncSetAttribute(max dynamic shared memory)")
-            self._smem_set[idx] = shared_mem
+        self._allow_smem(idx, func, shared_mem)
         g = (grid,) if isinstance(grid, int) else tuple(grid)
         b = (block,) if isinstance(block, int) else tuple(block)
         g = g + (1,) * (3 - len(g))

@@ -1,6 +1,7 @@
 """``Fp8Linear``: FP8 (e4m3) linear layer with per-tensor or per-channel
 weight scales and a static or dynamic activation scale, on
-``torch.ops.scaledmm.quant_fp8`` + ``torch.ops.scaledmm.fp8_scaled_mm``.
+``torch.ops.scaledmm.fp8_linear`` (``quant_fp8`` + ``fp8_scaled_mm`` in one op,
+one launch at small M).
 
 ``fp8_scaled_mm`` needs K and N to be multiples of 16.  The layer pads the
 weight once, at load time (``process_weights_after_loading``), so that its
@@ -271,11 +272,9 @@ class Fp8Linear(QuantizedLinearBase):
         x2 = as_rows(x)
         if self.padded_in_features != k:  # activation only: M x (Kp - K) zeros
             x2 = F.pad(x2, (0, self.padded_in_features - k))
-        if self.activation == "static":
-            q, s = torch.ops.scaledmm.quant_fp8(x2, self.input_scale)
-        else:
-            q, s = torch.ops.scaledmm.quant_fp8(x2, None, self.activation == "dynamic_per_token")
-        out = torch.ops.scaledmm.fp8_scaled_mm(q, self.weight, s, self.weight_scale, self.bias, self.out_dtype)
+        static = self.activation == "static"
+        out = torch.ops.scaledmm.fp8_linear(x2, self.weight, self.weight_scale, self.input_scale if static else None,
+                                            self.activation == "dynamic_per_token", self.bias, self.out_dtype)
         if self.padded_out_features != n:
             out = out[:, :n]
         return from_rows(out, x)

@@ -483,13 +483,14 @@ class RowParallelLinear(_ParallelLinear):
         if inner.activation == "dynamic_per_token":
             amax = self._global_max(ax.amax(dim=1, keepdim=True))
             scale = torch.clamp(amax, min=fp8_ops.AMAX_FLOOR) / amax.new_full((), fp8_ops.FP8_MAX)
-            q, s = torch.ops.scaledmm.quant_fp8(x2, scale, True)
+            per_token = True
         else:
             finite = torch.where(torch.isfinite(ax), ax, 0.0).reshape(-1)
             amax = self._global_max(torch.cat([finite, finite.new_zeros(1)]).amax().reshape(1))
             scale = torch.clamp(amax, min=fp8_ops.AMAX_FLOOR) / amax.new_full((), fp8_ops.FP8_MAX)
-            q, s = torch.ops.scaledmm.quant_fp8(x2, scale)
-        out = torch.ops.scaledmm.fp8_scaled_mm(q, inner.weight, s, inner.weight_scale, None, inner.out_dtype)
+            per_token = False
+        out = torch.ops.scaledmm.fp8_linear(x2, inner.weight, inner.weight_scale, scale, per_token, None,
+                                            inner.out_dtype)
         return out[:, :inner.out_features]
 
     def _nvfp4_dynamic(self, x2: torch.Tensor) -> torch.Tensor:
