@@ -227,7 +227,7 @@ def backend_problems(op: str, w: Weights, a: tuple[torch.Tensor, ...]) -> list[t
         mp = -(-m // fb.ALIGN_M) * fb.ALIGN_M  # aligned M: the direct op, the same problem
         return [(fb.problem(x, w.w_block, bs, BF16, False, m=mp), "fp8_block_mm")]
     if op == "fp8_block_linear":
-        return [(fb.problem(x, w.w_block, bs, BF16, False), op)]
+        return [(fb.linear_problem(x, w.w_block, bs, BF16), op)]
     if op == "quant_fp8":
         return [(Problem(Family.FP8, x.device, m, 0, k, x.dtype, FP8, x.stride(0), (("quant", mode),)), op)
                 for mode in ("per_tensor", "per_token", "static")]

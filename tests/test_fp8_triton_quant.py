@@ -275,7 +275,7 @@ def test_selection_on_sm90_quant_triton_gemm_by_variant():
         return dataclasses.replace(base.mm_problem(a, b, *kinds, None, torch.bfloat16), device=dev)
 
     with selections.simulated("sm90") as dev:
-        assert backends.priority("fp8", dev)[:2] == ["cublas", "triton"]
+        assert backends.priority("fp8", dev)[:3] == ["cuda_gemv", "cublas", "triton"]
         pq = Problem(Family.FP8, dev, 7, 0, 7168, torch.bfloat16, FP8, 7168, (("quant", "per_token"),))
         assert backends.select(pq, "quant_fp8").name == "triton"
         for n in (2112, 1234 * 16):  # a swept shape, one without rows of its own
@@ -540,7 +540,7 @@ def test_cuda_selects_triton_for_quant_and_small_m_rowwise_gemm():
     assert ok, why
     text = backends.report(file=io.StringIO())
     cuda_fp8 = text.split("== cuda")[1].split("  fp8:")[1].split("  nvfp4:")[0]
-    assert "[yes] triton" in cuda_fp8 and "auto order ['cublas', 'triton'" in "  fp8:" + cuda_fp8
+    assert "[yes] triton" in cuda_fp8 and "auto order ['cuda_gemv', 'cublas', 'triton'" in "  fp8:" + cuda_fp8
 
 
 @requires_cuda
