@@ -44,6 +44,7 @@ SKINNY_KERNEL = _PREFIX + "SKINNY_KERNEL"
 NVFP4_GEMV = _PREFIX + "NVFP4_GEMV"
 NVFP4_MID = _PREFIX + "NVFP4_MID"
 NVFP4_DECODE_CUBLAS = _PREFIX + "NVFP4_DECODE_CUBLAS"
+FP8_GEMV = _PREFIX + "FP8_GEMV"
 
 #: name -> "effect (default)".  Family backend variables are listed by
 #: :func:`backend_var`'s family names in the README.
@@ -59,6 +60,7 @@ VARIABLES: dict[str, str] = {
     NVFP4_GEMV: "0 or empty: cuda_gemv leaves nvfp4 automatic selection (default on)",
     NVFP4_MID: "0 or empty: cuda_mid leaves nvfp4 automatic selection (default on)",
     NVFP4_DECODE_CUBLAS: "0 or empty: decode_cublas leaves nvfp4 automatic selection (default on)",
+    FP8_GEMV: "0 or empty: cuda_gemv leaves fp8 and fp8_block automatic selection (default on)",
 }
 
 _SWITCH = re.compile(r"^SCALEDMM_[A-Z0-9_]+$")
