@@ -341,6 +341,41 @@ def case_nvfp4_w4a16(ctx: Ctx):
     return close(out, ref, 1e-2, first)
 
 
+def case_fp8_gemv(ctx: Ctx, block: bool):
+    """cuda_gemv (csrc/fp8_gemv.cu): ``fp8_linear`` through the op (per-token x
+    per-channel, M = 5, strided bf16 rows), or ``fp8_block_linear`` through
+    the backend entry with K split over a 2-CTA cluster (M = 13: the 16-row
+    bucket, fp16 activation, N = 200 with a partial row tile, bf16 bias)."""
+    import torch
+
+    import scaledmm
+    from scaledmm.ops import fp8 as f8
+    from scaledmm.ops import fp8_block as fb
+    from scaledmm.ops import fp8_gemv as fg
+
+    _, n, k = FP8B_LINEAR_MNK
+    if not block:
+        n = 208  # fp8_linear: N % 16 == 0
+        x = ctx.randn(5, k, dtype=torch.bfloat16, scale=2.0)
+        w, ws = f8.reference_quant(ctx.randn(n, k), None, True)
+        x_d, w_d, ws_d = ctx.strided(x), w.to(ctx.dev), ws.reshape(-1).to(ctx.dev)
+        need_backend("fp8", "cuda_gemv", f8.linear_problem(x_d, w_d, None, True, f8.CHANNEL, None, torch.bfloat16))
+        with scaledmm.use_backend("fp8", "cuda_gemv"):
+            first, out = ctx.twice(lambda: torch.ops.scaledmm.fp8_linear(x_d, w_d, ws_d, None, True))
+        q, sq = f8.reference_quant(x, None, True)
+        ref = (q.double() * sq.double()) @ (w.double() * ws.double().reshape(-1, 1)).t()
+        return close(out, ref, 1e-2, first)
+    x = ctx.randn(13, k, dtype=torch.float16, scale=2.0)
+    w, ws = fb.quantize_weight(ctx.randn(n, k))
+    bias = ctx.randn(n, dtype=torch.bfloat16)
+    d = [t.to(ctx.dev) for t in (x, w, ws, bias)]
+    need_backend("fp8_block", "cuda_gemv", fb.linear_problem(d[0], d[1], (128, 128), torch.bfloat16))
+    cfg = fg.GemvConfig(16, 2, 2, 1)
+    first, out = ctx.twice(lambda: fg.gemv_block_linear(d[0], d[1], d[2], (128, 128), torch.bfloat16, d[3], cfg=cfg))
+    ref = fb.reference_linear(x.float(), w, ws, (128, 128), torch.float32, bias.float()).double()
+    return close(out, ref, 1e-2, first)
+
+
 GEMV_MNK = (5, 200, 736)  # M <= 16, K % 32 == 0 with a partial 128-k unit
 
 
@@ -538,6 +573,8 @@ CHILD_CASES = {
     "nvfp4_tri_mm": case_nvfp4_mm,
     "nvfp4_tri_w4a16": case_nvfp4_w4a16,
     "nvfp4_tri_quant": case_nvfp4_quant,
+    "fp8_gemv_token": lambda ctx: case_fp8_gemv(ctx, False),
+    "fp8_gemv_block_split": lambda ctx: case_fp8_gemv(ctx, True),
     "nvfp4_gemv_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False),
     "nvfp4_gemv_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True),
     "nvfp4_gemv_wide": lambda ctx: case_nvfp4_gemv(ctx, False, 29),

@@ -91,6 +91,7 @@ OPS: dict[str, Op] = {
     "scaledmm.fp8_block_mm": Op(Family.FP8_BLOCK, "fp8_block_mm", True),
     "quant_fp8": Op(Family.FP8, "quant_fp8", False),
     "fp8_scaled_mm": Op(Family.FP8, "fp8_scaled_mm", True),
+    "fp8_linear": Op(Family.FP8, "fp8_linear", True),
     "nvfp4_quant": Op(Family.NVFP4, "nvfp4_quant", False),
     "nvfp4_mm": Op(Family.NVFP4, "nvfp4_mm", True),
     "nvfp4_w4a16_mm": Op(Family.NVFP4, "nvfp4_w4a16_mm", True),
@@ -188,6 +189,8 @@ def call(op: str, w, *a):
         return (*ops.quant_fp8(a[0]), *ops.quant_fp8(a[0], None, True), *ops.quant_fp8(a[0], w.static_scale))
     if op == "fp8_scaled_mm":
         return ops.fp8_scaled_mm(a[0], w.w8, a[1], w.ws8, w.bias)
+    if op == "fp8_linear":
+        return ops.fp8_linear(a[0], w.w8, w.ws8, None, True, w.bias)
     if op == "nvfp4_quant":
         return (*ops.nvfp4_quant(a[0], w.gs, True), *ops.nvfp4_quant(a[0], w.gs, False))
     if op == "nvfp4_mm":
@@ -234,6 +237,8 @@ def backend_problems(op: str, w: Weights, a: tuple[torch.Tensor, ...]) -> list[t
     if op == "fp8_scaled_mm":
         kinds = (f8.scale_a_kind(op, a[1], m), f8.scale_b_kind(op, w.ws8, w.w8.shape[0]))
         return [(f8.mm_problem(x, w.w8, *kinds, w.bias, BF16), op)]
+    if op == "fp8_linear":
+        return [(f8.linear_problem(x, w.w8, None, True, f8.CHANNEL, w.bias, BF16), op)]
     if op == "nvfp4_quant":
         return [(nv.quant_problem(x, swz), op) for swz in (True, False)]
     if op == "nvfp4_mm":

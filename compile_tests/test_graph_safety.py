@@ -204,7 +204,8 @@ def test_cases_cover_every_op_and_inputs_have_the_right_shapes():
     cpu = torch.device("cpu")
     cases = child.cases(cpu)
     assert {op for op, _ in cases} == set(child.OPS)
-    assert all(b == "reference" for _, b in cases)  # the CPU runs no other backend outside the interpreter
+    # the CPU runs no other backend outside the interpreter (fp8_linear's composite: its two ops, on the reference)
+    assert all(b == "reference" or (op, b) == ("fp8_linear", "composite") for op, b in cases)
     assert len(child.matrix_cases(cpu)) == 4 * len(cases)
     w = _cpu_weights()
     n, k = child.shape(cpu)
@@ -249,6 +250,9 @@ def test_gpu_backends_are_planned_on_the_m_they_take():
                         ("quant_fp8", "triton"), ("dsv3_fused_a_gemm", "fused_a")):
         assert (op, backend) in gpu_cases
     assert ("fp8_scaled_mm", "triton") in gpu_cases  # the fp8_block kernel with row/column scales
+    for op in ("fp8_linear", "fp8_block_linear"):  # quantize + GEMM in one launch, M <= 16
+        assert (op, "cuda_gemv") in gpu_cases
+        assert plan(op, "cuda_gemv") == [3, 1, 4, 0], op
     assert plan("fp8_scaled_mm", "triton") == every
 
 

@@ -30,13 +30,14 @@
 //
 // Design:
 //  * Swap-AB mma.sync m16n8k32 e4m3 x e4m3 -> f32: A = 16 weight rows x 32 k,
-//    B = q(x)^T (32 k x 8 tokens), D = out^T.  Each thread streams 32
-//    contiguous bytes (32 k) of weight rows g and g + 8 per 128-k unit
-//    straight into registers (ld.global.nc.L1::no_allocate, two batches of
-//    F_UNROLL units in flight per warp): A's words are those bytes as loaded.
-//    The sum over k is order-free, so k-slot j of an MMA step is mapped to
-//    the same physical k for A and B: thread quad t supplies words 2s and
-//    2s + 1 of its 32 bytes at step s, for both operands.
+//    B = q(x)^T (32 k x 8 tokens), D = out^T.  Each thread streams two 16-byte
+//    pieces (bytes 16 t and 64 + 16 t of a 128-k unit: a quad's load covers
+//    whole 32-byte sectors) of weight rows g and g + 8 straight into
+//    registers (ld.global.nc.L1::no_allocate, two batches of F_UNROLL units
+//    in flight per warp): A's words are those bytes as loaded.  The sum over
+//    k is order-free, so k-slot j of an MMA step is mapped to the same
+//    physical k for A and B: the activation codes are stored in shared
+//    memory in that order (unit_slot).
 //  * The activation is quantized once per CTA into shared memory (one row
 //    per token, a row pitch of K range + 8 bytes: the 8-byte B loads of a
 //    half warp then hit 32 distinct banks), before the MMA loop and after
@@ -53,9 +54,10 @@
 //  * Each k32 MMA goes into a fresh fragment that is added in fp32: chained
 //    over K, the e4m3 MMA's own accumulation measured outside the fp32 bound.
 //  * Persistent CTAs: as many as fit at once, each quantizing the activation
-//    once and then taking row tiles c, c + gridDim.x, ...; a warp's stream of
-//    weight batches runs across tile boundaries (the next tile's first batch
-//    is in flight while a tile's partials are summed).
+//    once (with its first two weight batches already in flight) and then
+//    taking row tiles c, c + gridDim.x, ...; a warp's stream of weight
+//    batches runs across tile boundaries (the next tile's batches are in
+//    flight while a tile's partials are summed).
 //  * Split K across the warps of a CTA (shared-memory sums in warp order) and
 //    across the CTAs of a cluster (DSMEM sums in rank order): no workspace,
 //    no atomics, bit-reproducible, CUDA-graph safe.
@@ -202,6 +204,14 @@ __device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
   return d;
 }
 
+// Where the 8 codes at byte p (a multiple of 8) of a 128-k unit sit in shared
+// memory: thread quad t's words for MMA step s at 32 t + 8 s, the order its
+// B loads read.  Its weight bytes are p = 64 (s / 2) + 16 t + 8 (s % 2): each
+// 16-byte weight load of a quad then covers two whole 32-byte sectors.
+__host__ __device__ __forceinline__ int unit_slot(int p) {
+  return 32 * ((p >> 4) & 3) + 8 * (2 * (p >> 6) + ((p >> 3) & 1));
+}
+
 __device__ __forceinline__ float in_lo(u32 w) {
   if (F_IN_F16) {
     float f;
@@ -335,7 +345,7 @@ __device__ __forceinline__ void act_codes(const unsigned short* __restrict__ x, 
                  (e4m3x2(mul_rn(in_lo(v.v[2 * j + 1]), inv), mul_rn(in_hi(v.v[2 * j + 1]), inv)) << 16);
         }
       }
-      *reinterpret_cast<unsigned long long*>(xq + r * PITCH + c * 8) =
+      *reinterpret_cast<unsigned long long*>(xq + r * PITCH + (c >> 4) * 128 + unit_slot((c & 15) * 8)) =
           (unsigned long long)w[0] | ((unsigned long long)w[1] << 32);
     }
   }
@@ -366,9 +376,9 @@ __device__ __forceinline__ void load_batch(Batch& b, const unsigned char* __rest
       for (int h = 0; h < 2; ++h) {
         const int row = n0 + t * 16 + g + 8 * h;
         const bool rok = ok && (FULL_ROWS || row < N);
-        const unsigned char* p = w + (long long)row * K + unit * 128 + 32 * t4;
+        const unsigned char* p = w + (long long)row * K + unit * 128 + 16 * t4;
 #pragma unroll
-        for (int q = 0; q < 2; ++q) b.w[i][t][h][q] = rok ? load_weight(p + 16 * q) : zero4();
+        for (int q = 0; q < 2; ++q) b.w[i][t][h][q] = rok ? load_weight(p + 64 * q) : zero4();
       }
     }
     if (BSCALE == 2) b.bs[i] = ok ? w_scale[(long long)(n0 / 128) * UNITS + unit] : 0.f;
@@ -500,9 +510,10 @@ fp8_gemv(const unsigned short* __restrict__ x, long long x_stride, const unsigne
   auto tile_of = [&](int j) { return (int)blockIdx.x + (j / cw) * (int)gridDim.x; };
   auto batch_of = [&](int j) { return warp + (j % cw) * WARPS; };
 
-  // The first weight batch goes out before the activation work.
+  // The first two weight batches go out before the activation work.
   Batch b0, b1;
   if (jobs > 0) load_batch(b0, w, w_scale, tile_of(0) * ROWS, sp, batch_of(0), g, t4);
+  if (jobs > 1) load_batch(b1, w, w_scale, tile_of(1) * ROWS, sp, batch_of(1), g, t4);
 
   act_scales(x, x_stride, m, x_scale, act, sgrp, sp.u0, sp.u1, eps, warp, lane);
   __syncthreads();
@@ -513,7 +524,7 @@ fp8_gemv(const unsigned short* __restrict__ x, long long x_stride, const unsigne
     for (int r = 0; r < m; ++r)
       for (int c = threadIdx.x; c < bytes / 8; c += THREADS)
         *reinterpret_cast<unsigned long long*>(q_out + (long long)r * K + sp.u0 * 128 + c * 8) =
-            *reinterpret_cast<const unsigned long long*>(xq + r * PITCH + c * 8);
+            *reinterpret_cast<const unsigned long long*>(xq + r * PITCH + (c >> 4) * 128 + unit_slot((c & 15) * 8));
     for (int r = threadIdx.x; r < m; r += THREADS) {
       if (GROUPS) {
         for (int u = sp.u0; u < sp.u1; ++u) s_out[r * UNITS + u] = sgrp[r * UNITS_PER_SPLIT + (u - sp.u0)];
@@ -532,20 +543,16 @@ fp8_gemv(const unsigned short* __restrict__ x, long long x_stride, const unsigne
       for (int e = 0; e < 4; ++e) acc[t][f][e] = 0.f;
 
   // One batch per step, the next one (of this tile or the next) in flight;
-  // the buffers alternate, and a tile's end (one place, every warp in the
-  // same tile order) sums the warps' and the cluster's partials.
+  // a consumed buffer is refilled at once, and a tile's end (one place,
+  // every warp in the same tile order) sums the warps' and the cluster's
+  // partials.
   for (int j = 0; j < jobs; ++j) {
-    if (j + 1 < jobs) {
-      if (j & 1) {
-        load_batch(b0, w, w_scale, tile_of(j + 1) * ROWS, sp, batch_of(j + 1), g, t4);
-      } else {
-        load_batch(b1, w, w_scale, tile_of(j + 1) * ROWS, sp, batch_of(j + 1), g, t4);
-      }
-    }
     if (j & 1) {
       mma_batch(acc, b1, sp, batch_of(j), xq, sgrp, m, g, t4);
+      if (j + 2 < jobs) load_batch(b1, w, w_scale, tile_of(j + 2) * ROWS, sp, batch_of(j + 2), g, t4);
     } else {
       mma_batch(acc, b0, sp, batch_of(j), xq, sgrp, m, g, t4);
+      if (j + 2 < jobs) load_batch(b0, w, w_scale, tile_of(j + 2) * ROWS, sp, batch_of(j + 2), g, t4);
     }
     if ((j + 1) % cw == 0) {
       const int n0 = tile_of(j) * ROWS;

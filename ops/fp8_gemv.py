@@ -91,8 +91,8 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
 def _check_common(p: Problem) -> tuple[bool, str]:
     if p.in_dtype not in IN_DTYPES:
         return False, f"quantizes a bf16 or fp16 activation, got {p.in_dtype}"
-    if not 1 <= p.m <= MAX_M:
-        return False, f"needs 1 <= M <= {MAX_M}, got M={p.m}"
+    if p.m > MAX_M:
+        return False, f"needs M <= {MAX_M}, got M={p.m}"
     if p.k % K_MULTIPLE != 0 or p.k <= 0:
         return False, f"needs K a positive multiple of {K_MULTIPLE}, got K={p.k}"
     if p.out_dtype not in OUT_CODES:
@@ -110,7 +110,7 @@ def _check_common(p: Problem) -> tuple[bool, str]:
 
 def can_implement(p: Problem) -> tuple[bool, str]:
     """``fp8_linear`` (family ``fp8``) or ``fp8_block_linear`` with 128x128
-    blocks (family ``fp8_block``): bf16 / fp16 activation, 1 <= M <= 16,
+    blocks (family ``fp8_block``): bf16 / fp16 activation, M <= 16,
     K % 128 == 0, 16-byte aligned operands and activation rows."""
     if p.family == Family.FP8_BLOCK and p.opt("block_size") != (128, 128):
         return False, f"needs block_size (128, 128), got {p.opt('block_size')}"
