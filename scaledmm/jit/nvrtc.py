@@ -304,13 +304,19 @@ class CudaKernel:
         return f
 
     def _allow_smem(self, idx: int, func: Any, shared_mem: int) -> None:
-        """Raise the kernel's dynamic shared-memory limit (once) when above 48 KiB."""
-        if shared_mem > 48 * 1024 and self._smem_set.get(idx, 0) < shared_mem:
-            drv = cuda_driver()
+        """Raise the kernel's dynamic shared-memory limit when its static and
+        dynamic shared memory together pass the default 48 KiB (checked once per
+        device and size: launches pay a dict lookup)."""
+        if shared_mem <= 0 or self._smem_set.get(idx, 0) >= shared_mem:
+            return
+        drv = cuda_driver()
+        static = int(_check(drv.cuFuncGetAttribute(
+            drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func), "cuFuncGetAttribute(static shared)"))
+        if static + shared_mem > 48 * 1024:
             _check(drv.cuFuncSetAttribute(
                 func, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem),
                 "cuFuncSetAttribute(max dynamic shared memory)")
-            self._smem_set[idx] = shared_mem
+        self._smem_set[idx] = shared_mem
 
     def max_active_blocks(self, block: int, shared_mem: int, device_index: int) -> int:
         """CTAs of ``block`` threads and ``shared_mem`` dynamic bytes that fit on
