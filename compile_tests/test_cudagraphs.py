@@ -139,6 +139,8 @@ OP_CASES = {
     "quant_fp8_static": "quant_fp8",
     "fp8_scaled_mm_rowwise_bias": "fp8_scaled_mm",
     "fp8_scaled_mm_tensorwise_fp16": "fp8_scaled_mm",
+    "fp8_linear_m1_token_bias": "fp8_linear",
+    "fp8_linear_m5_tensor": "fp8_linear",
     "nvfp4_quant": "nvfp4_quant",
     "nvfp4_quant_linear_scales": "nvfp4_quant",
     "swizzle_block_scales": "swizzle_block_scales",
@@ -184,6 +186,9 @@ def op_cases():
                                        lambda: ops.quant_fp8(_x(5), None, True)),
         "fp8_scaled_mm_tensorwise_fp16": (lambda q, s: ops.fp8_scaled_mm(q, w8, s, ws8_tensor, None, torch.float16),
                                           lambda: ops.quant_fp8(_x(8))),
+        # one launch at M = 1 on sm90 (cuda_gemv), composite above
+        "fp8_linear_m1_token_bias": (lambda x: ops.fp8_linear(x, w8, ws8, None, True, bias), lambda: (_x(1),)),
+        "fp8_linear_m5_tensor": (lambda x: ops.fp8_linear(x, w8, ws8_tensor), lambda: (_x(5),)),
         # nvfp4
         "nvfp4_quant": (lambda x: ops.nvfp4_quant(x, gs, True), lambda: (_x(5),)),
         "nvfp4_quant_linear_scales": (lambda x: ops.nvfp4_quant(x, gs, False), lambda: (_x(5),)),

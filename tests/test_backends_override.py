@@ -221,7 +221,7 @@ def test_report_says_what_a_request_does_and_shows_an_invalid_value(gemm_only, m
     fp8_block = lines["fp8_block"]
     assert "forced to 't_gemm_only' by SCALEDMM_FP8_BLOCK_BACKEND for fp8_block_mm" in fp8_block
     assert "auto-selected for fp8_block_linear, per_token_group_quant_fp8" in fp8_block
-    assert "forced to 't_gemm_only' by use_backend for fp8_scaled_mm; auto-selected for quant_fp8" in lines["fp8"]
+    assert "forced to 't_gemm_only' by use_backend for fp8_scaled_mm; auto-selected for fp8_linear, quant_fp8" in lines["fp8"]
     nv = lines["nvfp4"]
     assert "SCALEDMM_NVFP4_BACKEND='no-such-kernel'" in nv and "INVALID" in nv and "reference" in nv
     assert "no request" in lines["skinny"]

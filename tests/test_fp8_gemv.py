@@ -183,19 +183,24 @@ def test_can_implement_accepts():
 
 def test_first_at_decode_sizes_on_sm90(fake_sm90, monkeypatch):
     """Where the shipped sm90 rows put it (scaledmm/tuning/fp8_sm90.json,
-    fp8_block_sm90.json: M = 1, where the H200 measured it ahead)."""
+    fp8_block_sm90.json: where the H200 measured it ahead)."""
     monkeypatch.delenv("SCALEDMM_FP8_GEMV", raising=False)
-    assert backends.select(_linear_problem(1), "fp8_linear").name == NAME
-    assert backends.select(_linear_problem(1, 28672, mode="per_tensor", kind_b="tensor"), "fp8_linear").name == NAME
-    assert backends.select(_block_problem(1), "fp8_block_linear").name == NAME
-    assert backends.select(_block_problem(1, 6144), "fp8_block_linear").name == NAME
-    for m in (2, 8, 64):
+    tensorwise = {"mode": "per_tensor", "kind_b": "tensor"}
+    for m in (1, 2, 4):  # row-wise: op sweep rows
+        assert backends.select(_linear_problem(m), "fp8_linear").name == NAME
+    assert backends.select(_linear_problem(2, 4096, 14336), "fp8_linear").name == NAME
+    assert backends.select(_linear_problem(4, 4096, 14336), "fp8_linear").name == "composite"
+    assert backends.select(_linear_problem(1, 28672, **tensorwise), "fp8_linear").name == NAME
+    assert backends.select(_linear_problem(2, 28672, **tensorwise), "fp8_linear").name == "composite"
+    for m in (8, 64):
         assert backends.select(_linear_problem(m), "fp8_linear").name == "composite"
-    assert backends.select(_block_problem(1, 28672), "fp8_block_linear").name == "triton"
+    assert backends.select(_block_problem(1, 6144), "fp8_block_linear").name == NAME
+    assert backends.select(_block_problem(1), "fp8_block_linear").name == "triton"
+    assert backends.select(_block_problem(1, 28672), "fp8_block_linear").name == "composite"
     assert backends.select(_linear_problem(1, aligned=False), "fp8_linear").name == "composite"
     monkeypatch.setenv("SCALEDMM_FP8_GEMV", "0")
     assert backends.select(_linear_problem(1), "fp8_linear").name == "composite"
-    assert backends.select(_block_problem(1), "fp8_block_linear").name != NAME
+    assert backends.select(_block_problem(1, 6144), "fp8_block_linear").name != NAME
 
 
 NAME = fg.NAME
