@@ -95,11 +95,7 @@ static_assert(WARPS * TILE * 4 <= 48 * 1024, "reduction buffer exceeds 48 KiB of
 // -- PTX helpers ---------------------------------------------------------------
 
 __device__ __forceinline__ V4 load_weight(const u16* p) {
-  V4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3])
-               : "l"(p));
-  return r;
+  return fa_ptx::load_weight(reinterpret_cast<const unsigned char*>(p));
 }
 
 __device__ __forceinline__ V4 load_act(const u16* p) {
@@ -107,12 +103,6 @@ __device__ __forceinline__ V4 load_act(const u16* p) {
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3])
                : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ V4 zero4() {
-  V4 r;
-  r.v[0] = r.v[1] = r.v[2] = r.v[3] = 0u;
   return r;
 }
 

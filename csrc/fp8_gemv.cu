@@ -146,23 +146,9 @@ static_assert(WARPS * TILE * 4 <= 32 * 1024, "reduction buffer exceeds 32 KiB of
 
 // -- PTX helpers -------------------------------------------------------------
 
-__device__ __forceinline__ V4 load_weight(const unsigned char* p) {
-  V4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3])
-               : "l"(p));
-  return r;
-}
-
 // A plain load: the compiler may issue several before their first use.
 __device__ __forceinline__ V4 load_x(const unsigned short* __restrict__ p) {
   return *reinterpret_cast<const V4*>(p);
-}
-
-__device__ __forceinline__ V4 zero4() {
-  V4 r;
-  r.v[0] = r.v[1] = r.v[2] = r.v[3] = 0u;
-  return r;
 }
 
 // D (16 x 8, fp32) += A (16 x 32, e4m3, row) * B (32 x 8, e4m3, col)
@@ -444,6 +430,15 @@ __device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& 
   }
 }
 
+__device__ __forceinline__ void zero_acc(float (&acc)[NT][MF][4]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int f = 0; f < MF; ++f)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[t][f][e] = 0.f;
+}
+
 __device__ __forceinline__ float bias_at(const void* bias, int n) {
   if (F_BIAS == 1) return ((const float*)bias)[n];
   if (F_BIAS == 2) return __uint_as_float((u32)((const unsigned short*)bias)[n] << 16);
@@ -535,12 +530,7 @@ fp8_gemv(const unsigned short* __restrict__ x, long long x_stride, const unsigne
   }
 
   float acc[NT][MF][4];
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int f = 0; f < MF; ++f)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[t][f][e] = 0.f;
+  zero_acc(acc);
 
   // One batch per step, the next one (of this tile or the next) in flight;
   // a consumed buffer is refilled at once, and a tile's end (one place,
@@ -571,12 +561,7 @@ fp8_gemv(const unsigned short* __restrict__ x, long long x_stride, const unsigne
         }
       });
       __syncthreads();  // red is rewritten by the next tile
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int f = 0; f < MF; ++f)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[t][f][e] = 0.f;
+      zero_acc(acc);
     }
   }
 }

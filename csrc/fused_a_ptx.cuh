@@ -1,7 +1,7 @@
 // PTX helpers shared by the DSV3 fused-A kernels (dsv3_fused_a_gemm.cu, the
-// register kernel, and dsv3_fused_a_gemm_tma.cu, the TMA-ring kernel) and the
-// NVFP4 kernels (nvfp4_gemv.cu, nvfp4_mid.cu), and the split-K epilogue of the
-// register-streaming ones.
+// register kernel, and dsv3_fused_a_gemm_tma.cu, the TMA-ring kernel), the
+// NVFP4 kernels (nvfp4_gemv.cu, nvfp4_mid.cu) and the FP8 one (fp8_gemv.cu),
+// and the split-K epilogue of the register-streaming ones.
 // Compiled at run time by NVRTC; no CUDA headers needed.
 #pragma once
 
@@ -29,6 +29,21 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 16 bytes of a weight streamed once: not kept in L1, 256-byte L2 prefetch.
+__device__ __forceinline__ V4 load_weight(const unsigned char* p) {
+  V4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3])
+               : "l"(p));
+  return r;
+}
+
+__host__ __device__ __forceinline__ V4 zero4() {
+  V4 r;
+  r.v[0] = r.v[1] = r.v[2] = r.v[3] = 0u;
+  return r;
 }
 
 __device__ __forceinline__ u16 to_bf16(float f) {

@@ -106,14 +106,6 @@ __host__ __device__ __forceinline__ u32 byte_perm(u32 x, u32 y, u32 s) {
 #endif
 }
 
-__device__ __forceinline__ V4 load_weight(const unsigned char* p) {
-  V4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3])
-               : "l"(p));
-  return r;
-}
-
 __device__ __forceinline__ V4 load_act(const unsigned char* p) {
   V4 r;
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -127,12 +119,6 @@ __device__ __forceinline__ u32 load_scale2(const unsigned char* p) {
   u16 h;
   asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(h) : "l"(p));
   return h;
-}
-
-__device__ __forceinline__ V4 zero4() {
-  V4 r;
-  r.v[0] = r.v[1] = r.v[2] = r.v[3] = 0u;
-  return r;
 }
 
 // fp16x2 [s1 : s0] of two e4m3 bytes (exact; 0x7F / 0xFF give NaN).

@@ -76,13 +76,18 @@ def check_quant_args(x: torch.Tensor, scale: torch.Tensor | None, per_token: boo
     V.check_inner_stride(op, "x", x)
     if scale is None:
         return
-    V.check_dtype(op, "scale", scale, torch.float32)
-    if per_token:
-        V.check_shape(op, "scale", scale, (x.shape[0], 1), "[M, 1] static per-token scale, per_token=True")
-    elif not _is_one_element(scale):
-        V.fail(op, "scale", "a one-element tensor (0-D, [1] or [1, 1]) for a static per-tensor scale "
-               "(pass per_token=True for [M, 1])", f"shape {tuple(scale.shape)}")
+    check_static_scale(op, "scale", scale, x.shape[0], per_token)
     V.check_same_device(op, x=x, scale=scale)
+
+
+def check_static_scale(op: str, arg: str, scale: torch.Tensor, m, per_token: bool) -> None:
+    """A static activation scale: float32, ``[M, 1]`` with ``per_token``, else one element."""
+    V.check_dtype(op, arg, scale, torch.float32)
+    if per_token:
+        V.check_shape(op, arg, scale, (m, 1), "[M, 1] static per-token scale, per_token=True")
+    elif not _is_one_element(scale):
+        V.fail(op, arg, "a one-element tensor (0-D, [1] or [1, 1]) for a static per-tensor scale "
+               "(pass per_token=True for [M, 1])", f"shape {tuple(scale.shape)}")
 
 
 def quant_outputs(x: torch.Tensor, scale: torch.Tensor | None = None,
@@ -181,12 +186,7 @@ def check_linear_args(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, s
     V.check_divisible(op, "x", k, ALIGN_K, "K = x.shape[1]")
     V.check_divisible(op, "b", n, ALIGN_N, "N = b.shape[0]")
     if scale_x is not None:
-        V.check_dtype(op, "scale_x", scale_x, torch.float32)
-        if per_token:
-            V.check_shape(op, "scale_x", scale_x, (m, 1), "[M, 1] static per-token scale, per_token=True")
-        elif not _is_one_element(scale_x):
-            V.fail(op, "scale_x", "a one-element tensor (0-D, [1] or [1, 1]) for a static per-tensor scale "
-                   "(pass per_token=True for [M, 1])", f"shape {tuple(scale_x.shape)}")
+        check_static_scale(op, "scale_x", scale_x, m, per_token)
     kind_b = scale_b_kind(op, scale_b, n)
     if bias is not None:
         V.check_dtype(op, "bias", bias, V.FLOAT_OUT_DTYPES)

@@ -5,6 +5,7 @@ FakeTensor checks, bad inputs, and the cuBLAS backend on a GPU."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -563,3 +564,80 @@ def test_cublas_plans_through_cpu_scaled_mm(ka, kb, bias, out_dtype, m):
     except RuntimeError as e:  # a form the CPU kernel lacks: nothing to learn here
         pytest.skip(f"CPU torch._scaled_mm: {str(e).splitlines()[0][:100]}")
     assert_mm_close(out, a, b, sa, sb, bt, out_dtype, acc_slack=2.0 ** -12)
+
+
+# ----------------------------------------------------------------------------
+# fp8_linear: quant_fp8 + fp8_scaled_mm as one op
+# ----------------------------------------------------------------------------
+
+
+def _linear_case(m, k, n, mode, gen, stride=None, dtype=torch.bfloat16):
+    x = torch.randn(m, k if stride is None else stride, generator=gen).to(dtype)[:, :k] * 3
+    w, ws = F8.reference_quant(torch.randn(n, k, generator=gen), None, mode != "tensor_w")
+    ws = ws.reshape(-1) if mode != "tensor_w" else ws
+    scale_x = {"static": torch.tensor([0.03]), "static_token": torch.rand(m, 1, generator=gen) * 0.05 + 0.01}.get(mode)
+    per_token = mode in ("per_token", "static_token")
+    return x, w, ws, scale_x, per_token
+
+
+@pytest.mark.parametrize("mode", ["per_token", "per_tensor", "static", "static_token", "tensor_w"])
+@pytest.mark.parametrize("m,stride", [(0, None), (1, None), (3, 160), (17, None)])
+@pytest.mark.parametrize("out_dtype,bias_dtype", [(torch.bfloat16, None), (torch.float16, torch.float32),
+                                                  (torch.float32, torch.bfloat16)])
+def test_linear_is_quant_then_mm_bit_for_bit(mode, m, stride, out_dtype, bias_dtype):
+    """The definition, on every CPU backend implementing the op (reference
+    and composite), against the two ops called one after the other."""
+    gen = torch.Generator().manual_seed(m * 7 + len(mode))
+    x, w, ws, scale_x, per_token = _linear_case(m, 144, 48, mode, gen, stride)
+    bias = None if bias_dtype is None else torch.randn(48, generator=gen).to(bias_dtype)
+    q, s = OPS.quant_fp8(x, scale_x, per_token)
+    want = OPS.fp8_scaled_mm(q, w, s, ws, bias, out_dtype)
+    for name in ("reference", "composite"):
+        with scaledmm.use_backend("fp8", name):
+            got = OPS.fp8_linear(x, w, ws, scale_x, per_token, bias, out_dtype)
+        assert got.dtype == out_dtype and got.shape == (m, 48)
+        assert torch.equal(got.view(torch.uint8) if got.numel() else got, want.view(torch.uint8) if want.numel()
+                           else want), (name, mode)
+
+
+@pytest.mark.parametrize("mode", ["per_token", "per_tensor", "static", "static_token"])
+def test_opcheck_linear(mode):
+    gen = torch.Generator().manual_seed(5)
+    x, w, ws, scale_x, per_token = _linear_case(5, 144, 48, mode, gen)
+    opcheck(OPS.fp8_linear.default, (x, w, ws, scale_x, per_token, torch.randn(48, dtype=torch.bfloat16),
+                                      torch.bfloat16))
+
+
+def test_linear_compile_fullgraph_dynamic_one_compile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("inductor")
+    gen = torch.Generator().manual_seed(6)
+    _, w, ws, _, _ = _linear_case(1, 144, 80, "per_token", gen)
+
+    def fn(x):
+        return OPS.fp8_linear(x, w, ws, None, True)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=cnt)
+    for m in (3, 17, 64, 5):
+        x = torch.randn(m, 144, generator=gen).to(torch.bfloat16)
+        assert torch.equal(compiled(x), fn(x))
+    assert cnt.frame_count == 1
+
+
+@pytest.mark.parametrize("kwargs,arg,expected", [
+    ({"x": torch.zeros(3, 144, dtype=torch.int32)}, "x", "expected dtype"),
+    ({"x": torch.zeros(3, 136, dtype=torch.bfloat16)}, "b", "K = x.shape[1]"),
+    ({"scale_x": torch.ones(3, 1)}, "scale_x", "one-element tensor"),
+    ({"scale_x": torch.ones(1), "per_token": True}, "scale_x", "[M, 1] static per-token scale"),
+    ({"scale_b": torch.ones(47)}, "scale_b", "a one-element tensor, shape (48,)"),
+    ({"bias": torch.ones(47)}, "bias", "expected"),
+])
+def test_linear_bad_inputs(kwargs, arg, expected):
+    gen = torch.Generator().manual_seed(8)
+    x, w, ws, _, _ = _linear_case(3, 144, 48, "per_token", gen)
+    args = {"x": x, "b": w, "scale_b": ws, "scale_x": None, "per_token": False, "bias": None}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=rf"^fp8_linear: {arg}: .*{re.escape(expected)}"):
+        OPS.fp8_linear(args["x"], args["b"], args["scale_b"], args["scale_x"], args["per_token"], args["bias"])
