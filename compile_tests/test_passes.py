@@ -287,3 +287,51 @@ def test_fp8_block_cond_without_quant_lowers_to_the_padded_op():
     finally:
         backends.unregister(fb.FAMILY, "t_aligned4")
     assert seen and all(r % 4 == 0 for r in seen), seen
+
+
+class Fp8Model(torch.nn.Module):
+    """quant_fp8 -> fp8_scaled_mm, the two ops a user may call for a per-channel layer."""
+
+    def __init__(self, n=208, k=640, per_token=True, static=False):
+        super().__init__()
+        from scaledmm.ops import fp8 as f8
+
+        w, ws = f8.reference_quant(torch.randn(n, k), None, True)
+        self.register_buffer("w", w)
+        self.register_buffer("ws", ws.reshape(-1).contiguous())
+        self.register_buffer("bias", torch.randn(n, dtype=torch.bfloat16))
+        self.register_buffer("scale", torch.full((1,), 0.02) if static else None)
+        self.per_token = per_token
+
+    def forward(self, x):
+        q, s = torch.ops.scaledmm.quant_fp8(x, self.scale, self.per_token)
+        return torch.ops.scaledmm.fp8_scaled_mm(q, self.w, s, self.ws, self.bias)
+
+
+@pytest.mark.parametrize("per_token,static", [(True, False), (False, False), (False, True)])
+def test_fp8_quant_and_scaled_mm_fused_into_fp8_linear(per_token, static):
+    m = Fp8Model(per_token=per_token, static=static)
+    p = sc.passes()
+    x = torch.randn(3, 640, dtype=torch.bfloat16)
+    code = inductor_code(m, (x,), post_grad_custom_post_pass=p)
+    assert p.stats["quant_gemm"] == 1
+    assert "torch.ops.scaledmm.fp8_linear.default" in code
+    assert "quant_fp8" not in code and "fp8_scaled_mm" not in code
+    torch._dynamo.reset()
+    cm = torch.compile(m, fullgraph=True, dynamic=True, options={"post_grad_custom_post_pass": sc.passes()})
+    with one_graph_for_all_m():
+        for mm in (1, 3, 17, 64, 0):
+            x = torch.randn(mm, 640, dtype=torch.bfloat16)
+            assert torch.equal(cm(x), m(x))  # CPU: fp8_linear runs its two ops (composite)
+
+
+def test_fp8_pair_not_fused_when_the_codes_are_read_elsewhere():
+    m = Fp8Model()
+    p = sc.passes()
+
+    def f(x):
+        q, s = torch.ops.scaledmm.quant_fp8(x, None, True)
+        return torch.ops.scaledmm.fp8_scaled_mm(q, m.w, s, m.ws), q.float().sum()
+
+    code = inductor_code(f, (torch.randn(3, 640, dtype=torch.bfloat16),), post_grad_custom_post_pass=p)
+    assert p.stats["quant_gemm"] == 0 and "fp8_linear" not in code

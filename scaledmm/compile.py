@@ -15,9 +15,12 @@ It rewrites, in this order:
    predicates depend on sizes alone.  The pass replaces them with
    ``dynamic_padded_fp8_block_mm`` and ``dynamic_skinny_linear``, which make the
    same choice at run time, so Inductor keeps CUDA graphs.
-2. **Quantize + GEMM -> ``fp8_block_linear``.**  ``per_token_group_quant_fp8``
+2. **Quantize + GEMM -> one linear op.**  ``per_token_group_quant_fp8``
    (default eps, no ue8m0) whose two outputs only feed one fp8_block GEMM with
-   the same group size becomes one ``fp8_block_linear`` on the bf16/fp16 input.
+   the same group size becomes one ``fp8_block_linear`` on the bf16/fp16 input;
+   ``quant_fp8`` whose two outputs only feed one ``fp8_scaled_mm`` (as its
+   ``a`` and ``scale_a``) becomes one ``fp8_linear``.  Either may then run as
+   one launch (``cuda_gemv`` at decode sizes).
 3. **NVFP4 epilogues -> ``nvfp4_mm`` arguments.**  ``nvfp4_mm(...)`` followed by
    a multiply with a one-element tensor and/or an add of an ``[N]`` bias (with
    optional dtype conversions around them) becomes one ``nvfp4_mm`` whose
@@ -161,7 +164,7 @@ def lower_size_conds(gm: fx.GraphModule) -> int:
 
 
 # ----------------------------------------------------------------------------
-# 2. per_token_group_quant_fp8 -> fp8_block GEMM  ==>  fp8_block_linear
+# 2. quantize -> GEMM  ==>  fp8_block_linear / fp8_linear
 # ----------------------------------------------------------------------------
 
 def _block_gemms():
@@ -173,6 +176,20 @@ def _arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
     if len(node.args) > i:
         return node.args[i]
     return node.kwargs.get(name, default)
+
+
+def _only_pair(quant: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """``(q, s, consumer)`` when both outputs of ``quant`` are read once, by
+    the same node; else None."""
+    getters = list(quant.users)
+    if len(getters) != 2 or not all(_is(g, operator.getitem) for g in getters):
+        return None
+    q = next((g for g in getters if g.args[1] == 0), None)
+    s = next((g for g in getters if g.args[1] == 1), None)
+    if q is None or s is None or len(q.users) != 1 or len(s.users) != 1:
+        return None
+    user = next(iter(q.users))
+    return (q, s, user) if user is next(iter(s.users)) else None
 
 
 def fuse_quant_into_gemm(graph: fx.Graph) -> int:
@@ -187,15 +204,11 @@ def fuse_quant_into_gemm(graph: fx.Graph) -> int:
         xv = _val(x)
         if ue8m0 or eps != 1e-10 or xv is None or xv.dtype not in (torch.bfloat16, torch.float16):
             continue
-        getters = list(quant.users)
-        if len(getters) != 2 or not all(_is(g, operator.getitem) for g in getters):
+        pair = _only_pair(quant)
+        if pair is None:
             continue
-        q = next((g for g in getters if g.args[1] == 0), None)
-        s = next((g for g in getters if g.args[1] == 1), None)
-        if q is None or s is None or len(q.users) != 1 or len(s.users) != 1:
-            continue
-        gemm = next(iter(q.users))
-        if gemm is not next(iter(s.users)) or not _is(gemm, *_block_gemms()):
+        q, s, gemm = pair
+        if not _is(gemm, *_block_gemms()):
             continue
         if len(gemm.args) < 4 or gemm.args[0] is not q or gemm.args[2] is not s:
             continue
@@ -209,6 +222,38 @@ def fuse_quant_into_gemm(graph: fx.Graph) -> int:
         _set_meta(new)
         gemm.replace_all_uses_with(new)
         for n in (gemm, q, s, quant):
+            graph.erase_node(n)
+        count += 1
+    return count
+
+
+def fuse_quant_into_scaled_mm(graph: fx.Graph) -> int:
+    """``quant_fp8(x, scale, per_token)`` -> ``fp8_scaled_mm(q, b, s, scale_b,
+    bias, out_dtype)``  ==>  ``fp8_linear(x, b, scale_b, scale, per_token,
+    bias, out_dtype)``."""
+    count = 0
+    for quant in list(graph.nodes):
+        if not _is(quant, _ops.quant_fp8.default):
+            continue
+        pair = _only_pair(quant)
+        if pair is None:
+            continue
+        q, s, mm = pair
+        if not _is(mm, _ops.fp8_scaled_mm.default) or len(mm.args) < 4:
+            continue
+        if mm.args[0] is not q or mm.args[2] is not s or q in mm.args[1:] or s in (mm.args[1], mm.args[3]):
+            continue
+        x = quant.args[0] if quant.args else quant.kwargs["x"]
+        scale = _arg(quant, 1, "scale", None)
+        per_token = _arg(quant, 2, "per_token", False)
+        bias = _arg(mm, 4, "bias", None)
+        out_dtype = _arg(mm, 5, "out_dtype", torch.bfloat16)
+        with graph.inserting_before(mm):
+            new = graph.call_function(_ops.fp8_linear.default,
+                                      (x, mm.args[1], mm.args[3], scale, per_token, bias, out_dtype))
+        _set_meta(new)
+        mm.replace_all_uses_with(new)
+        for n in (mm, q, s, quant):
             graph.erase_node(n)
         count += 1
     return count
@@ -304,7 +349,7 @@ class ScaledMMPass(CustomGraphPass):
         gm = graph.owning_module
         self.stats = {
             "size_conds": lower_size_conds(gm) if gm is not None else 0,
-            "quant_gemm": fuse_quant_into_gemm(graph),
+            "quant_gemm": fuse_quant_into_gemm(graph) + fuse_quant_into_scaled_mm(graph),
             "nvfp4_epilogue": fold_nvfp4_epilogue(graph),
         }
         graph.lint()
