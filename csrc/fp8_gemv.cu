@@ -41,13 +41,13 @@
 //  * The activation is quantized once per CTA into shared memory (one row
 //    per token, a row pitch of K range + 8 bytes: the 8-byte B loads of a
 //    half warp then hit 32 distinct banks), before the MMA loop and after
-//    the first weight batch is in flight.  Scales follow the reference
+//    the first two weight batches are in flight.  Scales follow the reference
 //    bit for bit: s = max(amax, floor) / 448 (div.rn), codes
 //    cvt.rn.satfinite.e4m3(x * rcp.rn(s)) or (groups) e4m3(div.rn(x, s));
 //    NaN propagates into a per-token / per-group amax, a per-tensor amax
 //    skips NaN and Inf.
-//  * Block scales (F_BSCALE 2): a 128-k unit is one scale block, so its four
-//    MMAs accumulate into a fresh fragment that is added to the sum times
+//  * Block scales (F_BSCALE 2): a 128-k unit is one scale block, so the sum
+//    of its four MMAs is added to the total times
 //    a_scale[m, unit] * b_scale[n / 128, unit].  Per-tensor / per-channel
 //    scales are applied once, in the epilogue (acc * sa * sb + bias, the
 //    reference's order).
@@ -394,9 +394,7 @@ __device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& 
     for (int t = 0; t < NT; ++t) {
 #pragma unroll
       for (int f = 0; f < MF; ++f) {
-        // Each k32 MMA into a fresh fragment, added in fp32: the e4m3 MMA's
-        // own accumulation is not an fp32 one (measured: past the fp32
-        // bound when chained over K).
+        // one k32 MMA per fresh fragment, summed in fp32 (see the header)
         float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int s = 0; s < 4; ++s) {

@@ -155,9 +155,6 @@ class GemvConfig:
     def threads(self) -> int:
         return 32 * self.warps
 
-    def grid(self, n: int) -> tuple[int, int]:
-        return (-(-n // self.rows), self.split_k)
-
     def pitch(self, k: int) -> int:
         """Shared-memory bytes per activation row (the kernel's PITCH)."""
         return -(-(k // 128) // self.split_k) * 128 + 8
