@@ -137,24 +137,34 @@ def check_mm_args(op: str, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tens
     """Validate ``fp8_scaled_mm`` arguments; returns the kinds of ``scale_a``
     and ``scale_b``."""
     V.check_dtype(op, "a", a, FP8_DTYPE)
-    V.check_dtype(op, "b", b, FP8_DTYPE)
     V.check_rank(op, "a", a, 2)
-    V.check_rank(op, "b", b, 2)
     V.check_inner_stride(op, "a", a)
-    V.check_contiguous(op, "b", b)
-    V.check_dim(op, "b", b, 1, a.shape[1], "K = a.shape[1]")
-    m, k = a.shape
-    n = b.shape[0]
-    V.check_divisible(op, "a", k, ALIGN_K, "K = a.shape[1]")
-    V.check_divisible(op, "b", n, ALIGN_N, "N = b.shape[0]")
-    kind_a = scale_a_kind(op, scale_a, m)
+    n = _check_weight(op, "a", a, b)
+    kind_a = scale_a_kind(op, scale_a, a.shape[0])
     kind_b = scale_b_kind(op, scale_b, n)
+    _check_bias_and_out(op, bias, n, out_dtype)
+    V.check_same_device(op, a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
+    return kind_a, kind_b
+
+
+def _check_weight(op: str, act_arg: str, act: torch.Tensor, b: torch.Tensor) -> int:
+    """The e4m3 ``[N, K]`` weight of a GEMM with the 2-D activation ``act``
+    (argument ``act_arg``): contiguous, K and N multiples of 16.  Returns N."""
+    V.check_dtype(op, "b", b, FP8_DTYPE)
+    V.check_rank(op, "b", b, 2)
+    V.check_contiguous(op, "b", b)
+    what = f"K = {act_arg}.shape[1]"
+    V.check_dim(op, "b", b, 1, act.shape[1], what)
+    V.check_divisible(op, act_arg, act.shape[1], ALIGN_K, what)
+    V.check_divisible(op, "b", b.shape[0], ALIGN_N, "N = b.shape[0]")
+    return b.shape[0]
+
+
+def _check_bias_and_out(op: str, bias: torch.Tensor | None, n, out_dtype: torch.dtype) -> None:
     if bias is not None:
         V.check_dtype(op, "bias", bias, V.FLOAT_OUT_DTYPES)
         V.check_shape(op, "bias", bias, (n,), "N = b.shape[0]")
     V.check_out_dtype(op, out_dtype)
-    V.check_same_device(op, a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
-    return kind_a, kind_b
 
 
 def mm_output(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -177,21 +187,11 @@ def check_linear_args(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, s
     V.check_dtype(op, "x", x, V.ACT_DTYPES)
     V.check_rank(op, "x", x, 2)
     V.check_inner_stride(op, "x", x)
-    V.check_dtype(op, "b", b, FP8_DTYPE)
-    V.check_rank(op, "b", b, 2)
-    V.check_contiguous(op, "b", b)
-    V.check_dim(op, "b", b, 1, x.shape[1], "K = x.shape[1]")
-    m, k = x.shape
-    n = b.shape[0]
-    V.check_divisible(op, "x", k, ALIGN_K, "K = x.shape[1]")
-    V.check_divisible(op, "b", n, ALIGN_N, "N = b.shape[0]")
+    n = _check_weight(op, "x", x, b)
     if scale_x is not None:
-        check_static_scale(op, "scale_x", scale_x, m, per_token)
+        check_static_scale(op, "scale_x", scale_x, x.shape[0], per_token)
     kind_b = scale_b_kind(op, scale_b, n)
-    if bias is not None:
-        V.check_dtype(op, "bias", bias, V.FLOAT_OUT_DTYPES)
-        V.check_shape(op, "bias", bias, (n,), "N = b.shape[0]")
-    V.check_out_dtype(op, out_dtype)
+    _check_bias_and_out(op, bias, n, out_dtype)
     V.check_same_device(op, x=x, b=b, scale_b=scale_b, scale_x=scale_x, bias=bias)
     return kind_b
 

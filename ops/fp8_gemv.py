@@ -376,9 +376,10 @@ def launch(x: torch.Tensor, b: torch.Tensor, scale_x: torch.Tensor | None, scale
     spec = kernel_spec(n, k, mb, cfg, ascale, bscale, x.dtype, out.dtype, None if bias is None else bias.dtype)
     kern = spec.kernel()
     smem = cfg.smem(k, m, ascale == "group")
-    # The driver's calculator answers 0 for some cluster kernels that do launch
-    # (measured: split_k 4); the launch itself reports a CTA that cannot fit.
-    per_sm = max(1, kern.max_active_blocks(cfg.threads(), smem, dev))
+    per_sm = kern.max_active_blocks(cfg.threads(), smem, dev)  # raises the shared-memory limit first
+    if per_sm < 1:
+        raise RuntimeError(f"fp8_gemv {cfg.short()}: expected a CTA of {cfg.threads()} threads and {smem} bytes "
+                           f"of dynamic shared memory to fit an SM, the driver says none does")
     kern.launch(persistent_grid(cfg, n, per_sm * num_sms), cfg.threads(),
                 (x, ctypes.c_longlong(x.stride(0)), b, scale_x, scale_b, bias, out, ctypes.c_int(m),
                  ctypes.c_float(eps), q_out, s_out),
