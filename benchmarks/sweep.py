@@ -112,6 +112,13 @@ def _cuda_configs(module: str, w4a16: bool):
     return configs
 
 
+def _wgmma_configs(args, device):
+    from scaledmm.ops import nvfp4_wgmma as wg
+
+    m, n, k = args[0].shape[0], args[1].shape[0], args[1].shape[1] * 2
+    return wg.candidate_configs(n, k, m)
+
+
 def _cuda_call(module: str, fn: str):
     def call(cfg):
         launch = getattr(importlib.import_module(module), fn)
@@ -137,6 +144,7 @@ def _fp8_gemv_configs(args, device):
 
 
 _GEMV, _MID, _FP8_GEMV = "scaledmm.ops.nvfp4_gemv", "scaledmm.ops.nvfp4_mid", "scaledmm.ops.fp8_gemv"
+_WGMMA = "scaledmm.ops.nvfp4_wgmma"
 KERNELS: dict[str, SweepKernel] = {
     "fp8_block_triton": SweepKernel("fp8_block", "fp8_block_mm", "scaledmm.ops.fp8_block_triton.MMConfig",
                                     _fp8_block_triton_configs, _fp8_block_triton_call, _always, "dsv3",
@@ -155,6 +163,10 @@ KERNELS: dict[str, SweepKernel] = {
                              _cuda_call(_MID, "mid_mm"), _gate(_MID), "llama8b", (32, 64, 128, 256)),
     "nvfp4_mid_w4a16": SweepKernel("nvfp4", "nvfp4_w4a16_mm", f"{_MID}.MidConfig", _cuda_configs(_MID, True),
                                    _cuda_call(_MID, "mid_w4a16"), _gate(_MID), "llama8b", (32, 64, 128, 256)),
+    # One table serves both ops (the W4A4 call is the W4A16 kernel after an fp16 activation decode).
+    "nvfp4_wgmma": SweepKernel("nvfp4", "nvfp4_w4a16_mm", f"{_WGMMA}.WgmmaConfig", _wgmma_configs,
+                               _cuda_call(_WGMMA, "wgmma_w4a16"), _gate(_WGMMA), "llama8b",
+                               (64, 128, 256, 512, 1024, 4096)),
 }
 
 

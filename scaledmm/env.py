@@ -44,6 +44,7 @@ SKINNY_KERNEL = _PREFIX + "SKINNY_KERNEL"
 NVFP4_GEMV = _PREFIX + "NVFP4_GEMV"
 NVFP4_MID = _PREFIX + "NVFP4_MID"
 NVFP4_DECODE_CUBLAS = _PREFIX + "NVFP4_DECODE_CUBLAS"
+NVFP4_WGMMA = _PREFIX + "NVFP4_WGMMA"
 FP8_GEMV = _PREFIX + "FP8_GEMV"
 
 #: name -> "effect (default)".  Family backend variables are listed by
@@ -60,6 +61,7 @@ VARIABLES: dict[str, str] = {
     NVFP4_GEMV: "0 or empty: cuda_gemv leaves nvfp4 automatic selection (default on)",
     NVFP4_MID: "0 or empty: cuda_mid leaves nvfp4 automatic selection (default on)",
     NVFP4_DECODE_CUBLAS: "0 or empty: decode_cublas leaves nvfp4 automatic selection (default on)",
+    NVFP4_WGMMA: "0 or empty: cuda_wgmma leaves nvfp4 automatic selection (default on)",
     FP8_GEMV: "0 or empty: cuda_gemv leaves fp8 and fp8_block automatic selection (default on)",
 }
 

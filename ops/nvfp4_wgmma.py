@@ -1,0 +1,357 @@
+"""Backend ``cuda_wgmma`` of the ``nvfp4`` family: our Hopper GEMM for W4A4
+``nvfp4_mm`` and W4A16 ``nvfp4_w4a16_mm`` from tens of activation rows up,
+``csrc/nvfp4_wgmma.cu``, compiled at run time with NVRTC for the (N, K,
+config, output / bias dtype) it meets, cached on disk (``scaledmm.jit``),
+launched on torch's current stream.
+
+The FP4 weight is decoded in registers (exact: an e2m1 code times its e4m3
+scale fits fp16 and bf16) and fed to ``wgmma`` as the register operand; the
+16-bit activation is the shared-memory operand, copied with ``cp.async`` a few
+64-wide K stages ahead.  Weight rows are the MMA's M side (64 per warpgroup),
+activation rows its N side (32-256 per CTA), so one kernel serves M from a
+few tens to thousands.  W4A4 decodes the activation once per call to fp16
+(exact, :func:`scaledmm.ops.nvfp4_triton.dequant`) and runs the same kernel.
+Split K over the CTAs of a cluster (DSMEM, rank order): deterministic, no
+workspace, CUDA-graph safe.  See the .cu file's header for the design.
+
+Read top to bottom: capability checks, the config space (frozen dataclass,
+one validity predicate :func:`config_valid`, :func:`choose_config` from the
+measured table ``scaledmm/tuning/kernels/nvfp4_wgmma_sm90.json`` or a rule),
+the launcher, backend registration (its place in the sm90 selection policy:
+``scaledmm/tuning/nvfp4_sm90.json``; switch ``SCALEDMM_NVFP4_WGMMA=0``), the
+pre-build hook.
+
+Examples
+--------
+>>> from scaledmm.ops import nvfp4_wgmma as wg
+>>> cfg = wg.choose_config(4096, 4096, 512)
+>>> wg.config_valid(cfg, 4096, 4096)
+(True, 'ok')
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+from pathlib import Path
+
+import torch
+
+from scaledmm import backends, jit, kernel_tuning
+from scaledmm.backends import Backend, Family, Problem
+from scaledmm.device import NUM_SMS_H200, sm_count
+from scaledmm.ops import nvfp4 as nv
+from scaledmm.ops import nvfp4_gemv as gv
+
+FAMILY = Family.NVFP4
+NAME = "cuda_wgmma"
+OP = "nvfp4_mm"
+OP_W4A16 = "nvfp4_w4a16_mm"
+SOURCE = "nvfp4_wgmma.cu"
+KERNEL = "nvfp4_wgmma"
+ARCH = "sm_90a"
+K_MULTIPLE = 64  # one pipeline stage: a 128-byte row of 16-bit activation
+OUT_DTYPES = gv.OUT_DTYPES
+W4A4_ACT = torch.float16  # the activation decode of W4A4 (exact)
+MAX_REGS = 255
+SMEM_MAX = 227 * 1024
+TILES = (32, 64, 128, 256)
+
+# ----------------------------------------------------------------------------
+# Capability checks
+# ----------------------------------------------------------------------------
+
+
+def source_path() -> Path:
+    """The kernel source, in the repo (editable install) or the installed package.
+
+    Examples
+    --------
+    >>> source_path().suffix
+    '.cu'
+    """
+    return jit._package_csrc() / SOURCE
+
+
+def is_supported(device: torch.device) -> tuple[bool, str]:
+    """An sm90 GPU with NVRTC and the CUDA driver bindings (wgmma, clusters: sm_90a)."""
+    ok, why = jit.sm90a_gate(device)
+    return (True, f"NVRTC-compiled register-decode wgmma kernel ({why})") if ok else (False, why)
+
+
+def can_implement(p: Problem) -> tuple[bool, str]:
+    """``nvfp4_mm`` or ``nvfp4_w4a16_mm`` (fp16 / bf16 activation), any M,
+    K % 64 == 0, bf16/fp16 output, operands and activation rows 16-byte aligned."""
+    ok, why = gv.check_problem(p, max_m=1 << 62)
+    if not ok:
+        return ok, why
+    if p.k % K_MULTIPLE != 0:
+        return False, f"needs K a positive multiple of {K_MULTIPLE}, got K={p.k}"
+    return True, f"K % {K_MULTIPLE} == 0"
+
+
+# ----------------------------------------------------------------------------
+# Config space
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaConfig:
+    """Compile-time configuration of ``nvfp4_wgmma``.
+
+    Parameters
+    ----------
+    tile_m : int
+        Activation rows per CTA, the wgmma N (32, 64, 128, 256).
+    warpgroups : int
+        Consumer warpgroups (1 or 2); the CTA owns ``64 * warpgroups`` weight rows.
+    stages : int
+        ``cp.async`` pipeline stages of 64 K (4-8); ``stages - 2`` are in flight.
+    split_k : int
+        CTAs per cluster splitting K (1, 2, 4); partial tiles added through DSMEM.
+    """
+
+    tile_m: int = 128
+    warpgroups: int = 2
+    stages: int = 4
+    split_k: int = 1
+
+    def rows(self) -> int:
+        return 64 * self.warpgroups
+
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    def registers(self) -> int:
+        """Estimated registers per thread (accumulators, two A fragment sets,
+        a stage of weight words, addresses), an upper bound of ptxas' count
+        (checked by the tests)."""
+        return self.tile_m // 2 + 80
+
+    def stage_bytes(self) -> int:
+        return -(-(self.tile_m * 128 + self.rows() * 32 + 512) // 1024) * 1024
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the stages (or the split-K partial tile),
+        plus 1 KiB to align the base for the 128-byte swizzle."""
+        red = self.tile_m * self.rows() * 4 if self.split_k > 1 else 0
+        return max(self.stages * self.stage_bytes(), red) + 1024
+
+    def grid(self, n: int, m: int) -> tuple[int, int, int]:
+        """(activation tiles, weight tiles, split_k): the activation tiles of a
+        weight tile run side by side and meet it in L2."""
+        return (-(-m // self.tile_m), -(-n // self.rows()), self.split_k)
+
+    def defines(self, n: int, k: int, out_dtype: torch.dtype, bias_dtype: torch.dtype | None,
+                act_dtype: torch.dtype) -> dict[str, int]:
+        return {"W_N": n, "W_K": k, "W_BT": self.tile_m, "W_WG": self.warpgroups, "W_ST": self.stages,
+                "W_SPLIT": self.split_k, "W_ACT": gv.ACT_CODES[act_dtype],
+                "W_OUT_F16": int(out_dtype == torch.float16), "W_BIAS": gv.BIAS_CODES[bias_dtype]}
+
+    def short(self) -> str:
+        return f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}"
+
+
+def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
+    """THE validity predicate of a config for a shape (dispatch, benchmark and
+    tests).  Mirrors the kernel's static_asserts and the resource limits."""
+    if not isinstance(cfg, WgmmaConfig):
+        return False, f"expected a WgmmaConfig, got {type(cfg).__name__}"
+    if n <= 0 or k <= 0 or k % K_MULTIPLE != 0:
+        return False, f"needs N > 0 and K a positive multiple of {K_MULTIPLE}, got N={n}, K={k}"
+    if cfg.tile_m not in TILES:
+        return False, f"tile_m must be one of {TILES}, got {cfg.tile_m}"
+    if cfg.warpgroups not in (1, 2):
+        return False, f"warpgroups must be 1 or 2, got {cfg.warpgroups}"
+    if not 4 <= cfg.stages <= 8:
+        return False, f"stages must be 4..8, got {cfg.stages}"
+    if cfg.split_k not in (1, 2, 4):
+        return False, f"split_k must be 1, 2 or 4, got {cfg.split_k}"
+    if (cfg.split_k - 1) * -(-(k // K_MULTIPLE) // cfg.split_k) >= k // K_MULTIPLE:
+        return False, f"split_k {cfg.split_k} leaves a cluster rank without any of the {k // K_MULTIPLE} K stages"
+    if cfg.registers() > MAX_REGS:
+        return False, f"about {cfg.registers()} registers per thread, over the limit {MAX_REGS}"
+    if cfg.smem_bytes() > SMEM_MAX:
+        return False, f"{cfg.smem_bytes()} bytes of shared memory, over {SMEM_MAX}"
+    return True, "ok"
+
+
+def tuned(n: int, k: int, m: int, w4a16: bool = False) -> WgmmaConfig | None:
+    """The measured config for an ``N x K`` weight at ``m`` rows, or None
+    (read once from ``scaledmm/tuning/kernels/nvfp4_wgmma_sm90.json``; one
+    table for W4A4 and W4A16: the kernel is the same).
+
+    Examples
+    --------
+    >>> tuned(64, 128, 64) is None
+    True
+    """
+    return _table().lookup(n, k, m)
+
+
+def _table() -> kernel_tuning.KernelTable:
+    return kernel_tuning.load("nvfp4_wgmma", "sm90", WgmmaConfig)
+
+
+def default_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> WgmmaConfig:
+    """A config for an unseen shape: the activation tile that covers M in
+    the fewest 32-row steps up to 128, two warpgroups, split K until every SM
+    has a CTA while each split keeps at least 16 stages.
+
+    Examples
+    --------
+    >>> default_config(4096, 4096, 64).short(), default_config(28672, 4096, 512).short()
+    ('m64g2s6k4', 'm128g2s4k1')
+    """
+    tile = 32 if m <= 32 else 64 if m <= 64 else 128
+    stages = 6 if tile <= 64 else 4
+    cfg = WgmmaConfig(tile, 2, stages, 1)
+    tiles = cfg.grid(n, m)[0] * cfg.grid(n, m)[1]
+    split, stages_k = 1, k // K_MULTIPLE
+    while tiles * split < num_sms and split < 4 and stages_k >= 16 * split * 2:
+        split *= 2
+    cfg = dataclasses.replace(cfg, split_k=split)
+    return cfg if config_valid(cfg, n, k)[0] else WgmmaConfig(tile, 2, 4, 1)
+
+
+@functools.lru_cache(maxsize=None)  # once per shape and M: every launch asks
+def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> WgmmaConfig:
+    """The measured config (:func:`tuned`) or :func:`default_config`."""
+    cfg = tuned(n, k, m)
+    if cfg is None or not config_valid(cfg, n, k)[0]:
+        cfg = default_config(n, k, m, num_sms)
+    return cfg
+
+
+def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> list[WgmmaConfig]:
+    """The benchmark's sweep: the chosen config first, then every valid
+    tile x warpgroups x stages x split point whose tile is within 2x of M."""
+    first = choose_config(n, k, m, num_sms)
+    tiles = [t for t in TILES if t <= max(32, 2 * m)]
+    found = [WgmmaConfig(t, g, s, sk) for t in tiles for g in (2, 1) for s in (4, 6, 8) for sk in (1, 2, 4)]
+    return [first, *[c for c in found if c != first and config_valid(c, n, k)[0]]]
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_spec(n: int, k: int, cfg: WgmmaConfig, out_dtype: torch.dtype = torch.bfloat16,
+                bias_dtype: torch.dtype | None = None, act_dtype: torch.dtype = torch.bfloat16) -> jit.NvrtcKernelSpec:
+    """The NVRTC spec of one instantiation (validated); ``act_dtype`` is the
+    16-bit operand type (fp16 for W4A4)."""
+    gv.check_spec_dtypes(act_dtype, out_dtype, bias_dtype)
+    if act_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"act_dtype: expected fp16 or bf16 (W4A4 runs on its fp16 decode), got {act_dtype}")
+    ok, why = config_valid(cfg, n, k)
+    if not ok:
+        raise ValueError(f"cfg: expected a valid config for N={n}, K={k}, got {cfg}: {why}")
+    return jit.NvrtcKernelSpec(KERNEL, source_path(), arch=ARCH,
+                               defines=cfg.defines(n, k, out_dtype, bias_dtype, act_dtype))
+
+
+def launch(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torch.Tensor,
+           bias: torch.Tensor | None, out: torch.Tensor, cfg: WgmmaConfig | None = None) -> torch.Tensor:
+    """Run the kernel into ``out`` ([M, N], contiguous) on the current stream.
+
+    ``x`` a 16-bit activation [M, K] (rows 16-byte aligned), ``b`` packed
+    e2m1 [N, K / 2] with swizzled ``b_scales``; validated arguments, M >= 1.
+    """
+    m = x.shape[0]
+    n, k = b.shape[0], 2 * b.shape[1]
+    if b_scales.data_ptr() % 16:
+        raise ValueError(f"b_scales: expected a 16-byte aligned data pointer, got {b_scales.data_ptr() % 16} mod 16")
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    cfg = cfg or choose_config(n, k, m, sm_count(dev))
+    spec = kernel_spec(n, k, cfg, out.dtype, None if bias is None else bias.dtype, x.dtype)
+    spec.kernel().launch(cfg.grid(n, m), cfg.threads(),
+                         (x, b, b_scales, alpha, bias, out, ctypes.c_int(m),
+                          ctypes.c_longlong(x.stride(0) * x.element_size())),
+                         device=x.device, shared_mem=cfg.smem_bytes())
+    return out
+
+
+def wgmma_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None, cfg: WgmmaConfig | None = None):
+    """Backend entry of ``nvfp4_mm``: the activation decoded to fp16 once
+    (exact), then the kernel; a fresh ``[M, N]`` ``alpha * deq(a) @ deq(b).T (+ bias)``.
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)   # doctest: +SKIP
+    >>> w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> one = torch.tensor(1.0, device="cuda")                            # doctest: +SKIP
+    >>> qa, sa = torch.ops.scaledmm.nvfp4_quant(x, one)                   # doctest: +SKIP
+    >>> qb, sb = torch.ops.scaledmm.nvfp4_quant(w, one)                   # doctest: +SKIP
+    >>> with scaledmm.use_backend("nvfp4", "cuda_wgmma"):                 # doctest: +SKIP
+    ...     out = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, one)
+    """
+    from scaledmm.ops import nvfp4_triton as nt
+
+    out = nv.mm_output(a, b, out_dtype)
+    if a.shape[0] == 0 or b.shape[0] == 0:
+        return out
+    gv.require_aligned(a, b)
+    return launch(nt.dequant(a, a_scales, W4A4_ACT), b, b_scales, alpha, bias, out, cfg)
+
+
+def wgmma_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None, cfg: WgmmaConfig | None = None):
+    """Backend entry of ``nvfp4_w4a16_mm`` (fp16 / bf16 ``x``).
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)   # doctest: +SKIP
+    >>> w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> one = torch.tensor(1.0, device="cuda")                            # doctest: +SKIP
+    >>> qb, sb = torch.ops.scaledmm.nvfp4_quant(w, one)                   # doctest: +SKIP
+    >>> with scaledmm.use_backend("nvfp4", "cuda_wgmma"):                 # doctest: +SKIP
+    ...     out = torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, one)
+    """
+    out = nv.mm_output(x, b, out_dtype)
+    if x.shape[0] == 0 or b.shape[0] == 0:
+        return out
+    gv.require_aligned(x, b)
+    return launch(x, b, b_scales, weight_alpha, bias, out, cfg)
+
+
+# ----------------------------------------------------------------------------
+# Backend registration (its place in automatic selection: scaledmm/tuning/nvfp4_sm90.json)
+# ----------------------------------------------------------------------------
+
+
+backends.register(Backend(
+    FAMILY, NAME,
+    impls={OP: wgmma_mm, OP_W4A16: wgmma_w4a16},
+    is_supported=is_supported,
+    can_implement=can_implement,
+    description=f"NVRTC FP4 decode in registers + wgmma, W4A4 and W4A16, any M, K % 64 == 0 (csrc/{SOURCE})",
+))
+
+
+# ----------------------------------------------------------------------------
+# Pre-build hook: python -m scaledmm.jit build --nvfp4-wgmma N:K[,N:K...]
+# ----------------------------------------------------------------------------
+
+PREBUILD_M = (64, 128, 512, 4096)
+
+
+def prebuild_specs(value: str) -> list[jit.NvrtcKernelSpec]:
+    """Specs of the configs chosen at M = 64, 128, 512 and 4096, both output
+    dtypes, fp16 (W4A4, fp16 W4A16) and bf16 operands (no bias) for each ``N:K``."""
+    specs: dict[str, jit.NvrtcKernelSpec] = {}
+    for n, k in jit.parse_shapes(value, "nvfp4-wgmma"):
+        for act in (torch.float16, torch.bfloat16):
+            for m in PREBUILD_M:
+                for dt in OUT_DTYPES:
+                    spec = kernel_spec(n, k, choose_config(n, k, m), dt, None, act)
+                    specs.setdefault(spec.key, spec)
+    return list(specs.values())
+
+
+jit.register_prebuild("nvfp4-wgmma", prebuild_specs,
+                      help="N:K[,N:K...] NVFP4 wgmma kernels (the configs of M = 64, 128, 512, 4096; bf16 and fp16 "
+                           "outputs and operands)")
