@@ -76,6 +76,12 @@
 #define W_BIAS 0
 #endif
 
+// Experiments only (benchmarks/experiments/nvfp4_wgmma.py): 1 feeds the raw
+// weight words to the MMA (no decode), 2 decodes but issues no MMA.
+#ifndef W_PROFILE
+#define W_PROFILE 0
+#endif
+
 #if W_ACT == 2
 #define W_TYPE "bf16"
 #else
@@ -93,7 +99,9 @@ constexpr int WGS = W_WG;
 constexpr int BN = 64 * WGS;
 constexpr int STAGES = W_ST;
 constexpr int SPLIT = W_SPLIT;
-constexpr int THREADS = 128 * WGS;
+constexpr int THREADS = 128 * WGS;     // consumer threads
+constexpr int THREADS_ALL = THREADS + 32;  // + the producer warp
+static_assert(THREADS_ALL % 32 == 0, "whole warps");
 constexpr int KB = 64;              // K per stage: one 128-byte swizzle row of 16-bit activation
 constexpr int NKB = K / KB;
 constexpr int ACC = BT / 2;         // fp32 accumulators per thread (m64 x BT over 128 threads)
@@ -103,7 +111,8 @@ constexpr int S_BYTES = 512;
 constexpr int STAGE_BYTES = (X_BYTES + W_BYTES + S_BYTES + 1023) / 1024 * 1024;
 constexpr int RED_BYTES = SPLIT > 1 ? ACC * THREADS * 4 : 0;
 constexpr int BODY_BYTES = STAGES * STAGE_BYTES > RED_BYTES ? STAGES * STAGE_BYTES : RED_BYTES;
-constexpr int SMEM_BYTES = BODY_BYTES + 1024;  // + the alignment of the dynamic base to 1024
+constexpr int STAGE_TX = X_BYTES + W_BYTES + S_BYTES;  // bytes a stage's copies deliver
+constexpr int SMEM_BYTES = BODY_BYTES + 16 * STAGES + 1024;  // + barriers, + aligning the base to 1024
 static_assert(SMEM_BYTES <= 227 * 1024, "the stages (or the split-K tile) exceed the shared memory of an SM");
 // The decode's power of two, undone in the epilogue.
 constexpr float DECODE_POW = W_ACT == 2 ? 128.0f : 16384.0f;
@@ -113,9 +122,6 @@ static_assert(BT == 32 || BT == 64 || BT == 128 || BT == 256, "W_BT must be 32, 
 static_assert(WGS == 1 || WGS == 2, "W_WG must be 1 or 2");
 static_assert(STAGES >= 4 && STAGES <= 8, "W_ST must be 4..8");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "W_SPLIT must be 1, 2 or 4");
-static_assert((BT * 8) % THREADS == 0, "activation chunks must divide over the threads");
-constexpr int XCH = BT * 8 / THREADS;  // activation chunks per thread and stage
-constexpr int XROWS = THREADS / 8;     // rows between a thread's chunks (a multiple of 8)
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   u32 a;
@@ -123,21 +129,48 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
   return a;
 }
 
-// 16 bytes global -> shared, zero-filled when !valid (no read then).
-__device__ __forceinline__ void cp16(u32 dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+// A CUtensorMap, passed by value (__grid_constant__) and read by the TMA unit.
+struct alignas(64) TmaMap {
+  unsigned long long v[16];
+};
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Spin until the phase with parity ``parity`` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tWAIT_%=:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+      "@!p bra WAIT_%=;\n\t}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// 2-D tile of a tensor map -> shared memory, completing on ``bar``.
+__device__ __forceinline__ void tma_2d(u32 dst, const TmaMap* map, int c0, int c1, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+// ``bytes`` contiguous bytes (a multiple of 16) -> shared memory, completing on ``bar``.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
-
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int PENDING>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
-
-// cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 __device__ __forceinline__ V4 lds128(u32 addr) {
   V4 r;
@@ -253,6 +286,18 @@ __device__ __forceinline__ void decode_stage(u32 w_row0, u32 w_row1, u32 s_row0,
   u32 sc[2][4];
   const u32 rows[2] = {w_row0, w_row1};
   const u32 srows[2] = {s_row0, s_row1};
+  if (W_PROFILE == 1) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const V4 h0 = lds128(rows[r]), h1 = lds128(rows[r] ^ 16u);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        a[q][r] = h0.v[q];
+        a[q][2 + r] = h1.v[q];
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     // the row's two 16-byte halves; which slot holds which is the writer's swizzle
@@ -277,6 +322,11 @@ __device__ __forceinline__ void decode_stage(u32 w_row0, u32 w_row1, u32 s_row0,
 }
 
 __device__ __forceinline__ void mma_stage(float (&acc)[ACC], const u32 (&a)[4][4], u32 x_tile) {
+  if (W_PROFILE == 2) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" ::"r"(a[j][0]), "r"(a[j][1]), "r"(a[j][2]), "r"(a[j][3]));
+    return;
+  }
   wgmma_fence();
 #pragma unroll
   for (int j = 0; j < 4; ++j) wgmma_rs(acc, a[j], smem_desc(x_tile + 32 * j));
@@ -291,23 +341,31 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], const u32 (&a)[4][4
 #define W_CLUSTER
 #endif
 
-// grid (ceil(m / BT), ceil(N / BN), SPLIT), block 128 * WG, dynamic shared
-// memory wg::SMEM_BYTES, clusters of (1, 1, SPLIT).  x: [m, K] 16-bit, rows
-// x_stride bytes apart (a multiple of 16); out: [m, N] contiguous.
-extern "C" __global__ void W_CLUSTER __launch_bounds__(wg::THREADS, 1)
-nvfp4_wgmma(const unsigned short* __restrict__ x, const unsigned char* __restrict__ b,
+// grid (ceil(m / BT), ceil(N / BN), SPLIT), block 128 * WG + 32, dynamic
+// shared memory wg::SMEM_BYTES, clusters of (1, 1, SPLIT).  tmap_x: the
+// activation [m, K] (16-bit, box 64 x BT, 128-byte swizzle); tmap_w: the
+// packed weight [N, K / 2] (bytes, box 32 x BN, 32-byte swizzle); both
+// zero-fill rows past m / N.  out: [m, N] contiguous.
+// The widest tile needs more registers than __launch_bounds__ (288, 1) lets
+// ptxas use (it assumes four warps' allocation granularity); one CTA per SM.
+#if W_BT == 256
+#define W_BOUNDS __maxnreg__(224)
+#else
+#define W_BOUNDS __launch_bounds__(wg::THREADS_ALL, 1)
+#endif
+extern "C" __global__ void W_CLUSTER W_BOUNDS
+nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ wg::TmaMap tmap_w,
             const unsigned char* __restrict__ b_scales, const float* __restrict__ alpha_ptr,
-            const void* __restrict__ bias, unsigned short* __restrict__ out, int m, long long x_stride) {
+            const void* __restrict__ bias, unsigned short* __restrict__ out, int m) {
   using namespace wg;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 smem0 = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const u32 bars = smem0 + BODY_BYTES;  // full[STAGES], then empty[STAGES]
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
-  const int g = lane >> 2;
-  const int t4 = lane & 3;
-  const int wgi = tid >> 7;
-  const int warp = (tid >> 5) & 3;
+  const int warp_all = tid >> 5;
+  const bool producer = warp_all == 4 * WGS;  // the warp after the consumer warpgroups
   const int m0 = blockIdx.x * BT;
   const int n0 = blockIdx.y * BN;
 
@@ -316,93 +374,79 @@ nvfp4_wgmma(const unsigned short* __restrict__ x, const unsigned char* __restric
   int nk = NKB - kb0 < per ? NKB - kb0 : per;
   if (nk < 0) nk = 0;
 
-  const unsigned char* xb = (const unsigned char*)x;
-
-  // This thread's cp.async chunks: activation rows r_x + j * XROWS (16-byte
-  // column c_x; the swizzle's row phase r & 7 is the same for every j), one
-  // 16-byte half of a weight row, and (threads < 32) a sixteenth of the scale
-  // atom.  The source pointers walk K stage by stage (loop-carried, so the
-  // compiler keeps them instead of recomputing the addresses every stage).
-  const int r_x = tid >> 3, c_x = tid & 7;
-  const long long x_step = (long long)XROWS * x_stride;
-  const u32 x_dst = r_x * 128 + ((c_x ^ (r_x & 7)) << 4);
-  const int rw = tid >> 1, hw = tid & 1;
-  const bool w_ok = n0 + rw < N;
-  const u32 w_dst = X_BYTES + rw * 32 + ((hw ^ ((rw >> 2) & 1)) << 4);
-  const u32 s_dst = X_BYTES + W_BYTES + (tid & 31) * 16;
-  u32 x_valid = 0;  // bit j: row r_x + j * XROWS exists
+  if (tid == 0) {
 #pragma unroll
-  for (int j = 0; j < XCH; ++j) x_valid |= (u32)(m0 + r_x + j * XROWS < m) << j;
-  const unsigned char* x_src = xb + (long long)(m0 + r_x) * x_stride + (long long)kb0 * (KB * 2) + c_x * 16;
-  const unsigned char* w_src = b + (long long)(w_ok ? n0 + rw : 0) * (K / 2) + kb0 * (KB / 2) + hw * 16;
-  const unsigned char* s_src = b_scales + ((long long)(n0 >> 7) * NKB + kb0) * 512 + (tid & 31) * 16;
-  int load_slot = 0;
-
-  auto load_next = [&]() {
-    const u32 base = smem0 + load_slot * STAGE_BYTES;
-#pragma unroll
-    for (int j = 0; j < XCH; ++j) {
-      const bool ok = (x_valid >> j) & 1u;
-      cp16(base + x_dst + j * XROWS * 128, ok ? x_src + j * x_step : xb, ok);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bars + 8 * s, 1);                      // the producer's expect_tx
+      mbar_init(bars + 8 * (STAGES + s), 4 * WGS);  // one arrival per consumer warp
     }
-    cp16(base + w_dst, w_src, w_ok);
-    if (tid < 32) cp16(base + s_dst, s_src, true);
-    x_src += KB * 2;
-    w_src += KB / 2;
-    s_src += 512;
-    load_slot = load_slot == STAGES - 1 ? 0 : load_slot + 1;
-  };
-
-  // this thread's weight rows (CTA-local) and their addresses inside a stage
-  const int r0 = wgi * 64 + warp * 16 + g, r1 = r0 + 8;
-  const u32 w_off0 = X_BYTES + r0 * 32 + ((((u32)r0 >> 2) & 1u) << 4);
-  const u32 w_off1 = X_BYTES + r1 * 32 + ((((u32)r1 >> 2) & 1u) << 4);
-  const int ar0 = (n0 + r0) & 127, ar1 = (n0 + r1) & 127;
-  const u32 s_off0 = X_BYTES + W_BYTES + ((ar0 & 31) << 4) + ((ar0 >> 5) << 2);
-  const u32 s_off1 = X_BYTES + W_BYTES + ((ar1 & 31) << 4) + ((ar1 >> 5) << 2);
-  const u32 sel = (u32)t4 | ((u32)(t4 + 4) << 4) | ((u32)t4 << 8) | ((u32)(t4 + 4) << 12);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
 
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
 
-#pragma unroll
-  for (int s = 0; s < STAGES - 2; ++s) {
-    if (s < nk) load_next();
-    cp_commit();
-  }
-
-  u32 a0[4][4], a1[4][4];
-  for (int it = 0; it < nk; it += 2) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = it + half;
-      if (i < nk) {
-        cp_wait<STAGES - 3>();
-        fence_async_smem();
-        __syncthreads();
-        if (i + STAGES - 2 < nk) load_next();
-        cp_commit();
-        const u32 base = smem0 + (i % STAGES) * STAGE_BYTES;
-        if (half == 0) {
-          decode_stage(base + w_off0, base + w_off1, base + s_off0, base + s_off1, sel, a0);
-          mma_stage(acc, a0, base);
-        } else {
-          decode_stage(base + w_off0, base + w_off1, base + s_off0, base + s_off1, sel, a1);
-          mma_stage(acc, a1, base);
-        }
-        wgmma_wait<1>();
+  if (producer) {
+    if (lane == 0) {
+      const unsigned char* s_src = b_scales + ((long long)(n0 >> 7) * NKB + kb0) * 512;
+      for (int i = 0; i < nk; ++i) {
+        const int slot = i % STAGES;
+        mbar_wait(bars + 8 * (STAGES + slot), ((i / STAGES) & 1) ^ 1);  // the slot's last readers are done
+        const u32 full = bars + 8 * slot, base = smem0 + slot * STAGE_BYTES;
+        mbar_expect_tx(full, STAGE_TX);
+        tma_2d(base, &tmap_x, (kb0 + i) * KB, m0, full);
+        tma_2d(base + X_BYTES, &tmap_w, (kb0 + i) * (KB / 2), n0, full);
+        bulk_copy(base + X_BYTES + W_BYTES, s_src + (long long)i * 512, S_BYTES, full);
       }
     }
+    __syncwarp();
+  } else {
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int wgi = tid >> 7;
+    const int warp = (tid >> 5) & 3;
+    // this thread's weight rows (CTA-local) and their addresses inside a stage
+    const int r0 = wgi * 64 + warp * 16 + g, r1 = r0 + 8;
+    const u32 w_off0 = X_BYTES + r0 * 32 + ((((u32)r0 >> 2) & 1u) << 4);
+    const u32 w_off1 = X_BYTES + r1 * 32 + ((((u32)r1 >> 2) & 1u) << 4);
+    const int ar0 = (n0 + r0) & 127, ar1 = (n0 + r1) & 127;
+    const u32 s_off0 = X_BYTES + W_BYTES + ((ar0 & 31) << 4) + ((ar0 >> 5) << 2);
+    const u32 s_off1 = X_BYTES + W_BYTES + ((ar1 & 31) << 4) + ((ar1 >> 5) << 2);
+    const u32 sel = (u32)t4 | ((u32)(t4 + 4) << 4) | ((u32)t4 << 8) | ((u32)(t4 + 4) << 12);
+
+    u32 a0[4][4], a1[4][4];
+    for (int it = 0; it < nk; it += 2) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = it + half;
+        if (i < nk) {
+          const int slot = i % STAGES;
+          mbar_wait(bars + 8 * slot, (i / STAGES) & 1);
+          const u32 base = smem0 + slot * STAGE_BYTES;
+          if (half == 0) {
+            decode_stage(base + w_off0, base + w_off1, base + s_off0, base + s_off1, sel, a0);
+            mma_stage(acc, a0, base);
+          } else {
+            decode_stage(base + w_off0, base + w_off1, base + s_off0, base + s_off1, sel, a1);
+            mma_stage(acc, a1, base);
+          }
+          wgmma_wait<1>();  // the MMAs of stage i - 1 are done: its slot is free
+          __syncwarp();
+          if (i > 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + (i - 1) % STAGES));
+        }
+      }
+    }
+    wgmma_wait<0>();
+    pin(acc);
   }
-  wgmma_wait<0>();
-  pin(acc);
 
 #if W_SPLIT > 1
-  __syncthreads();  // every warp is done with the pipeline's shared memory
+  __syncthreads();  // every consumer is done with the pipeline's shared memory
   // partial tile as [i / 4][thread][4]: one 16-byte store / remote load per four accumulators
   const u32 rank = cluster_rank();
-  if (rank != 0) {
+  if (!producer && rank != 0) {
 #pragma unroll
     for (int i = 0; i < ACC; i += 4)
       asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(smem0 + (u32)(((i / 4) * THREADS + tid) * 16)),
@@ -410,12 +454,11 @@ nvfp4_wgmma(const unsigned short* __restrict__ x, const unsigned char* __restric
                    : "memory");
   }
   cluster_sync();
-  if (rank == 0) {
-    const u32 local = smem0;
+  if (!producer && rank == 0) {
 #pragma unroll 1
     for (u32 r = 1; r < SPLIT; ++r) {
       u32 remote;
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem0), "r"(r));
 #pragma unroll
       for (int i = 0; i < ACC; i += 4) {
         float v0, v1, v2, v3;
@@ -433,7 +476,12 @@ nvfp4_wgmma(const unsigned short* __restrict__ x, const unsigned char* __restric
   cluster_sync();  // peers keep their shared memory until rank 0 has read it
   if (rank != 0) return;
 #endif
+  if (producer) return;
 
+  const int g = lane >> 2;
+  const int t4 = lane & 3;
+  const int wgi = tid >> 7;
+  const int warp = (tid >> 5) & 3;
   const float alpha = *alpha_ptr;
 #pragma unroll
   for (int i = 0; i < ACC; ++i) {

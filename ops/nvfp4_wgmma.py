@@ -121,22 +121,24 @@ class WgmmaConfig:
         return 64 * self.warpgroups
 
     def threads(self) -> int:
-        return 128 * self.warpgroups
+        """The consumer warpgroups and the producer warp."""
+        return 128 * self.warpgroups + 32
 
     def registers(self) -> int:
         """Estimated registers per thread (accumulators, two A fragment sets,
-        a stage of weight words, addresses), an upper bound of ptxas' count
-        (checked by the tests)."""
-        return self.tile_m // 2 + 80
+        a stage of weight words, addresses, the split-K reduce), an upper
+        bound of ptxas' count (checked by the tests)."""
+        return self.tile_m // 2 + 100
 
     def stage_bytes(self) -> int:
         return -(-(self.tile_m * 128 + self.rows() * 32 + 512) // 1024) * 1024
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the stages (or the split-K partial tile),
-        plus 1 KiB to align the base for the 128-byte swizzle."""
+        their two barriers each, and 1 KiB to align the base for the 128-byte
+        swizzle."""
         red = self.tile_m * self.rows() * 4 if self.split_k > 1 else 0
-        return max(self.stages * self.stage_bytes(), red) + 1024
+        return max(self.stages * self.stage_bytes(), red) + 16 * self.stages + 1024
 
     def grid(self, n: int, m: int) -> tuple[int, int, int]:
         """(activation tiles, weight tiles, split_k): the activation tiles of a
@@ -267,9 +269,11 @@ def launch(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torc
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     cfg = cfg or choose_config(n, k, m, sm_count(dev))
     spec = kernel_spec(n, k, cfg, out.dtype, None if bias is None else bias.dtype, x.dtype)
+    x_map = jit.tensor_map_2d(x.data_ptr(), 2 if x.dtype == torch.float16 else 3, k, m,
+                              x.stride(0) * x.element_size(), K_MULTIPLE, cfg.tile_m, 128)
+    w_map = jit.tensor_map_2d(b.data_ptr(), 1, k // 2, n, b.stride(0), K_MULTIPLE // 2, cfg.rows(), 32)
     spec.kernel().launch(cfg.grid(n, m), cfg.threads(),
-                         (x, b, b_scales, alpha, bias, out, ctypes.c_int(m),
-                          ctypes.c_longlong(x.stride(0) * x.element_size())),
+                         (x_map, w_map, b_scales, alpha, bias, out, ctypes.c_int(m)),
                          device=x.device, shared_mem=cfg.smem_bytes())
     return out
 

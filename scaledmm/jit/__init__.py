@@ -67,7 +67,7 @@ from .core import (  # noqa: F401  (re-exports; the private names are used by op
     source_closure,
 )
 from .nvcc import NvccLibrarySpec  # noqa: F401
-from .nvrtc import CudaKernel, CudaModule, NvrtcKernelSpec, cuda_driver, sm90a_gate  # noqa: F401
+from .nvrtc import CudaKernel, CudaModule, NvrtcKernelSpec, cuda_driver, sm90a_gate, tensor_map_2d  # noqa: F401
 
 __all__ = [
     "JitError",
@@ -81,6 +81,7 @@ __all__ = [
     "nvcc_path",
     "nvrtc_available",
     "sm90a_gate",
+    "tensor_map_2d",
     "cuda_include_dirs",
     "parse_shapes",
     "register_prebuild",

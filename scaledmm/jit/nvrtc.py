@@ -242,6 +242,42 @@ class NvrtcKernelSpec:
 MODULES: dict[str, "CudaModule"] = {}
 
 
+_TMA_DTYPES = {1: "CU_TENSOR_MAP_DATA_TYPE_UINT8", 2: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
+               3: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}
+_TMA_SWIZZLE = {0: "CU_TENSOR_MAP_SWIZZLE_NONE", 32: "CU_TENSOR_MAP_SWIZZLE_32B", 64: "CU_TENSOR_MAP_SWIZZLE_64B",
+                128: "CU_TENSOR_MAP_SWIZZLE_128B"}
+
+
+@functools.lru_cache(maxsize=1024)  # pure function of its arguments: the map of the same tensor is reused
+def tensor_map_2d(ptr: int, kind: int, cols: int, rows: int, row_bytes: int, box_cols: int, box_rows: int,
+                  swizzle: int):
+    """A TMA descriptor (``CUtensorMap``) of a row-major 2-D tensor at device
+    address ``ptr``: ``rows`` x ``cols`` elements of ``kind`` (1 uint8, 2 fp16,
+    3 bf16), rows ``row_bytes`` apart; tiles of ``box_rows`` x ``box_cols``
+    with a ``swizzle``-byte shared-memory swizzle (0, 32, 64, 128); reads past
+    the tensor fill zeros.  Pass it to :meth:`CudaKernel.launch` for a
+    ``const __grid_constant__`` 128-byte parameter.
+
+    Examples
+    --------
+    >>> m = tensor_map_2d(x.data_ptr(), 3, 4096, 64, 8192, 64, 128, 128)  # doctest: +SKIP
+    """
+    if kind not in _TMA_DTYPES or swizzle not in _TMA_SWIZZLE:
+        raise ValueError(f"kind, swizzle: expected one of {sorted(_TMA_DTYPES)} and {sorted(_TMA_SWIZZLE)}, "
+                         f"got {kind}, {swizzle}")
+    if ptr % 16 or row_bytes % 16 or rows < 1 or cols < 1:
+        raise ValueError(f"expected a 16-byte aligned address and row stride and a non-empty tensor, got address "
+                         f"{ptr % 16} mod 16, row stride {row_bytes} bytes, {rows} x {cols}")
+    drv = cuda_driver()
+    _check(drv.cuInit(0), "cuInit")  # (a host-side encode: no context needed)
+    return _check(drv.cuTensorMapEncodeTiled(
+        getattr(drv.CUtensorMapDataType, _TMA_DTYPES[kind]), 2, ptr, [cols, rows], [row_bytes],
+        [box_cols, box_rows], [1, 1], drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        getattr(drv.CUtensorMapSwizzle, _TMA_SWIZZLE[swizzle]),
+        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+
+
 def _ensure_context(device_index: int) -> None:
     """Make the primary context of ``device_index`` current on this thread
     (the one torch uses), without changing torch's current device."""
@@ -342,7 +378,7 @@ class CudaKernel:
         args : sequence
             Kernel arguments in order: a ``torch.Tensor`` passes its data
             pointer, ``None`` a null pointer, ctypes scalars (``ctypes.c_int(3)``)
-            pass by value.
+            and driver structs (:func:`tensor_map_2d`) pass by value.
         device : torch.device or int, optional
             Defaults to the device of the first tensor argument.
         shared_mem : int
@@ -369,8 +405,12 @@ class CudaKernel:
             elif isinstance(a, ctypes._SimpleCData):
                 values.append(a)
                 types.append(type(a))
+            elif callable(getattr(a, "getPtr", None)):  # a driver struct passed by value (CUtensorMap)
+                values.append(a)
+                types.append(None)
             else:
-                raise TypeError(f"args: expected tensors, None or ctypes scalars, got {type(a).__name__}")
+                raise TypeError(f"args: expected tensors, None, ctypes scalars or driver structs, "
+                                f"got {type(a).__name__}")
         if device is None:
             idx = torch.cuda.current_device()
         elif isinstance(device, int):
