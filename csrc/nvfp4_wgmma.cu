@@ -11,7 +11,7 @@
 // run time with NVRTC; one cubin per (N, K, config):
 //
 //   W_N, W_K     problem size (K % 64 == 0; any N >= 1)
-//   W_BT         activation rows per CTA: the wgmma N (32, 64, 128, 256)
+//   W_BT         activation rows per CTA: the wgmma N (32, 64, 128)
 //   W_WG         consumer warpgroups (1 or 2): the CTA owns BN = 64 W_WG
 //                weight rows, 64 per warpgroup (the wgmma M)
 //   W_ST         pipeline stages of 64 K (4 .. 8)
@@ -100,7 +100,9 @@ constexpr int BN = 64 * WGS;
 constexpr int STAGES = W_ST;
 constexpr int SPLIT = W_SPLIT;
 constexpr int THREADS = 128 * WGS;     // consumer threads
-constexpr int THREADS_ALL = THREADS + 32;  // + the producer warp
+// + the producer warp.  (Warps are pinned to SM quadrants: nine warps put
+// three on one, which caps every thread at 168 registers: no 256-row tile.)
+constexpr int THREADS_ALL = THREADS + 32;
 static_assert(THREADS_ALL % 32 == 0, "whole warps");
 constexpr int KB = 64;              // K per stage: one 128-byte swizzle row of 16-bit activation
 constexpr int NKB = K / KB;
@@ -118,7 +120,7 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages (or the split-K tile) exceed
 constexpr float DECODE_POW = W_ACT == 2 ? 128.0f : 16384.0f;
 
 static_assert(K % KB == 0, "K must be a multiple of 64");
-static_assert(BT == 32 || BT == 64 || BT == 128 || BT == 256, "W_BT must be 32, 64, 128 or 256");
+static_assert(BT == 32 || BT == 64 || BT == 128, "W_BT must be 32, 64 or 128");
 static_assert(WGS == 1 || WGS == 2, "W_WG must be 1 or 2");
 static_assert(STAGES >= 4 && STAGES <= 8, "W_ST must be 4..8");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "W_SPLIT must be 1, 2 or 4");
@@ -232,14 +234,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
-__device__ __forceinline__ void wgmma_rs(float (&d)[128], const u32 (&a)[4], u64 desc) {
-  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32." W_TYPE "." W_TYPE " "
-               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n\t}"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-}
-
 // Scale multipliers of the four 16-K groups of a stage for one row, from the
 // row's scale word (4 e4m3): fp16 [s : s], or bf16 [s 2^119 : s 2^119].
 __device__ __forceinline__ void scale_regs(u32 word, u32 (&s)[4]) {
@@ -346,14 +340,7 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], const u32 (&a)[4][4
 // activation [m, K] (16-bit, box 64 x BT, 128-byte swizzle); tmap_w: the
 // packed weight [N, K / 2] (bytes, box 32 x BN, 32-byte swizzle); both
 // zero-fill rows past m / N.  out: [m, N] contiguous.
-// The widest tile needs more registers than __launch_bounds__ (288, 1) lets
-// ptxas use (it assumes four warps' allocation granularity); one CTA per SM.
-#if W_BT == 256
-#define W_BOUNDS __maxnreg__(224)
-#else
-#define W_BOUNDS __launch_bounds__(wg::THREADS_ALL, 1)
-#endif
-extern "C" __global__ void W_CLUSTER W_BOUNDS
+extern "C" __global__ void W_CLUSTER __launch_bounds__(wg::THREADS_ALL, 1)
 nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ wg::TmaMap tmap_w,
             const unsigned char* __restrict__ b_scales, const float* __restrict__ alpha_ptr,
             const void* __restrict__ bias, unsigned short* __restrict__ out, int m) {
@@ -389,7 +376,7 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
 
   if (producer) {
-    if (lane == 0) {
+    if (tid == 4 * WGS * 32) {
       const unsigned char* s_src = b_scales + ((long long)(n0 >> 7) * NKB + kb0) * 512;
       for (int i = 0; i < nk; ++i) {
         const int slot = i % STAGES;

@@ -56,7 +56,7 @@ OUT_DTYPES = gv.OUT_DTYPES
 W4A4_ACT = torch.float16  # the activation decode of W4A4 (exact)
 MAX_REGS = 255
 SMEM_MAX = 227 * 1024
-TILES = (32, 64, 128, 256)
+TILES = (32, 64, 128)
 
 # ----------------------------------------------------------------------------
 # Capability checks
@@ -103,7 +103,7 @@ class WgmmaConfig:
     Parameters
     ----------
     tile_m : int
-        Activation rows per CTA, the wgmma N (32, 64, 128, 256).
+        Activation rows per CTA, the wgmma N (32, 64, 128).
     warpgroups : int
         Consumer warpgroups (1 or 2); the CTA owns ``64 * warpgroups`` weight rows.
     stages : int
@@ -228,10 +228,11 @@ def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> WgmmaC
 
 def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> list[WgmmaConfig]:
     """The benchmark's sweep: the chosen config first, then every valid
-    tile x warpgroups x stages x split point whose tile is within 2x of M."""
+    tile x warpgroups x stages x split point with one of the two largest
+    tiles up to 2 M."""
     first = choose_config(n, k, m, num_sms)
-    tiles = [t for t in TILES if t <= max(32, 2 * m)]
-    found = [WgmmaConfig(t, g, s, sk) for t in tiles for g in (2, 1) for s in (4, 6, 8) for sk in (1, 2, 4)]
+    tiles = [t for t in TILES if t <= max(32, 2 * m)][-2:]
+    found = [WgmmaConfig(t, g, s, sk) for t in reversed(tiles) for g in (2, 1) for s in (4, 6) for sk in (1, 2, 4)]
     return [first, *[c for c in found if c != first and config_valid(c, n, k)[0]]]
 
 

@@ -41,7 +41,7 @@ def _instances():
     for n, k in LLAMA8B:
         for m in (64, 512):
             out[(n, k, wg.choose_config(n, k, m), BF16, None, BF16)] = None
-    out[(4096, 4096, wg.WgmmaConfig(256, 2, 4, 1), F16, torch.float32, F16)] = None
+    out[(4096, 4096, wg.WgmmaConfig(128, 2, 8, 2), F16, torch.float32, F16)] = None
     out[(1040, 4032, wg.WgmmaConfig(32, 1, 8, 4), BF16, BF16, BF16)] = None
     out[(200, 128, wg.WgmmaConfig(64, 1, 4, 2), F16, F16, F16)] = None
     out[(4096, 4096, wg.WgmmaConfig(128, 1, 6, 2), BF16, None, F16)] = None
@@ -77,7 +77,7 @@ def test_kernel_rejects_bad_defines():
     (wg.WgmmaConfig(split_k=4), 64, 192, "without any"),
     (wg.WgmmaConfig(), 64, 96, "multiple of 64"),
     (wg.WgmmaConfig(), 0, 128, "N > 0"),
-    (wg.WgmmaConfig(256, 2, 8, 1), 64, 4096, "shared memory"),
+    (wg.WgmmaConfig(tile_m=256), 64, 128, "tile_m"),
     ("m128", 64, 128, "WgmmaConfig"),
 ])
 def test_config_predicate_rejects(cfg, n, k, why):

@@ -26,7 +26,7 @@ from scaledmm.ops import nvfp4_wgmma as wg
 
 POINTS = [((28672, 4096), 128), ((28672, 4096), 512), ((28672, 4096), 4096), ((4096, 4096), 64),
           ((4096, 14336), 512)]
-TILES = (128, 256)
+TILES = (64, 128)
 VARIANTS = {0: "full", 1: "no decode", 2: "no mma"}
 
 

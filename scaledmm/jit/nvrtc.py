@@ -271,8 +271,10 @@ def tensor_map_2d(ptr: int, kind: int, cols: int, rows: int, row_bytes: int, box
     drv = cuda_driver()
     _check(drv.cuInit(0), "cuInit")  # (a host-side encode: no context needed)
     return _check(drv.cuTensorMapEncodeTiled(
-        getattr(drv.CUtensorMapDataType, _TMA_DTYPES[kind]), 2, ptr, [cols, rows], [row_bytes],
-        [box_cols, box_rows], [1, 1], drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        getattr(drv.CUtensorMapDataType, _TMA_DTYPES[kind]), 2, ptr,
+        [drv.cuuint64_t(cols), drv.cuuint64_t(rows)], [drv.cuuint64_t(row_bytes)],
+        [drv.cuuint32_t(box_cols), drv.cuuint32_t(box_rows)], [drv.cuuint32_t(1), drv.cuuint32_t(1)],
+        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         getattr(drv.CUtensorMapSwizzle, _TMA_SWIZZLE[swizzle]),
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
