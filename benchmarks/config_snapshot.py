@@ -124,6 +124,13 @@ def _nvrtc(module: str) -> dict[str, Any]:
             for key, n, k, m in _points() for w in (False, True)}
 
 
+def _nvfp4_wgmma() -> dict[str, Any]:
+    from scaledmm.ops import nvfp4_wgmma as wg
+
+    # one table for W4A4 and W4A16; K % 64 shapes only
+    return {key: _text(wg.choose_config(n, k, m, NUM_SMS)) for key, n, k, m in _points() if k % wg.K_MULTIPLE == 0}
+
+
 def _skinny() -> dict[str, Any]:
     from scaledmm.ops import skinny_fused_a as S
 
@@ -160,6 +167,7 @@ def collect() -> dict[str, dict[str, Any]]:
         "nvfp4_triton": _nvfp4_triton(),
         "nvfp4_gemv": _nvrtc("nvfp4_gemv"),
         "nvfp4_mid": _nvrtc("nvfp4_mid"),
+        "nvfp4_wgmma": _nvfp4_wgmma(),
         "skinny_fused_a": _skinny(),
         "nvfp4_cublas": _nvfp4_cublas(),
     }

@@ -139,6 +139,10 @@ CASES: tuple[Case, ...] = (
          csrc=True),
     Case("nvfp4_mid_ring", "cuda_mid w4t1s2u1r3: cp.async weight ring (not in a table yet), split K, two slices",
          "M100 N200 K736, strided a", csrc=True),
+    Case("nvfp4_wgmma_w4a4", "nvfp4_mm cuda_wgmma (csrc/nvfp4_wgmma.cu: TMA ring, producer warp, wgmma), two 64-row "
+         "tiles, K split over a 2-CTA cluster", "M100 N200 K768", csrc=True),
+    Case("nvfp4_wgmma_w4a16", "nvfp4_w4a16_mm cuda_wgmma, bf16 activation, one 64-row tile, one warpgroup",
+         "M40 N200 K768, strided x", csrc=True),
     Case("nvfp4_decode_cublas", "nvfp4_mm decode_cublas: Triton decodes, cuBLAS fp32 mm, Triton epilogue + bias",
          "M130 N200 K736"),
     Case("fp8_tri_quant", "quant_fp8 Triton (ops/fp8_triton_quant.py, if present): per-token, per-tensor, static",

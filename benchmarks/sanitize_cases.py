@@ -415,6 +415,41 @@ def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, rows: int | None = None, backend: str
     return close(out, ref, 1e-2, first)
 
 
+def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool):
+    """cuda_wgmma (csrc/nvfp4_wgmma.cu: TMA ring, producer warp, wgmma): W4A4
+    at M = 100 in two 64-row tiles with K split over a 2-CTA cluster, or
+    W4A16 with a strided bf16 activation at M = 40 in one 32-row-padded tile
+    (N = 200: a partial weight tile; rows past M and N arrive as TMA zeros)."""
+    import torch
+
+    from scaledmm.ops import nvfp4 as nv
+    from scaledmm.ops import nvfp4_triton as nt
+    from scaledmm.ops import nvfp4_wgmma as wg
+
+    m, n, k = (40 if w4a16 else 100), GEMV_MNK[1], 768
+    _, qb, sb, gb = _nvfp4_quantized(ctx, n, k)
+    qb_d, sb_d = qb.to(ctx.dev), sb.to(ctx.dev)
+    if w4a16:
+        x = ctx.randn(m, k, dtype=torch.bfloat16)
+        walpha = (1.0 / gb).float()
+        x_d, wa_d = ctx.strided(x), walpha.to(ctx.dev)
+        need_backend("nvfp4", "cuda_wgmma", nv.w4a16_problem(x_d, qb_d, torch.bfloat16, None))
+        cfg = wg.WgmmaConfig(64, 1, 4, 1)
+        first, out = ctx.twice(lambda: wg.launch(x_d, qb_d, sb_d, wa_d, None, nv.mm_output(x_d, qb_d, torch.bfloat16),
+                                                 cfg))
+        ref = x.double() @ nv.dequantize(qb, sb).double().t() * float(walpha)
+        return close(out, ref, 1e-2, first)
+    _, qa, sa, ga = _nvfp4_quantized(ctx, m, k)
+    alpha = (1.0 / (ga * gb)).float()
+    a_d, sa_d, al_d = qa.to(ctx.dev), sa.to(ctx.dev), alpha.to(ctx.dev)
+    need_backend("nvfp4", "cuda_wgmma", nv.mm_problem(a_d, qb_d, torch.bfloat16, None))
+    cfg = wg.WgmmaConfig(64, 2, 4, 2)
+    first, out = ctx.twice(lambda: wg.launch(nt.dequant(a_d, sa_d, torch.float16), qb_d, sb_d, al_d, None,
+                                             nv.mm_output(a_d, qb_d, torch.bfloat16), cfg))
+    ref = (nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t()) * float(alpha)
+    return close(out, ref, 1e-2, first)
+
+
 def case_nvfp4_mid_ring(ctx: Ctx):
     """cuda_mid with the cp.async weight ring (``MidConfig.ring``, not in any
     table yet): W4A4 at M = 100 (two 64-row slices), strided, split K in two
@@ -581,6 +616,8 @@ CHILD_CASES = {
     "nvfp4_mid_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False, 100, "cuda_mid"),
     "nvfp4_mid_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True, 40, "cuda_mid"),
     "nvfp4_mid_ring": case_nvfp4_mid_ring,
+    "nvfp4_wgmma_w4a4": lambda ctx: case_nvfp4_wgmma(ctx, False),
+    "nvfp4_wgmma_w4a16": lambda ctx: case_nvfp4_wgmma(ctx, True),
     "nvfp4_decode_cublas": case_nvfp4_decode_cublas,
     "fp8_tri_quant": case_fp8_quant,
     "skinny_v1": lambda ctx: case_skinny(ctx, "reg"),

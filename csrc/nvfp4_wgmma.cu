@@ -21,13 +21,18 @@
 //   W_OUT_F16, W_BIAS   output dtype; bias none / fp32 / bf16 / fp16 (0-3)
 //
 // Design:
-//  * Swap AB: weight rows are the MMA's M (so M = 64 rows per warpgroup
-//    whatever the batch), activation rows its N (8-256).  A from registers is
-//    what lets the decode happen between the load and the MMA without a trip
-//    through shared memory.
-//  * Every thread copies its share of a stage with cp.async (activation tile
-//    in the 128-byte swizzle wgmma reads, weight 32 bytes per row, the
-//    512-byte scale atom); W_ST - 2 stages ahead, one barrier per stage.
+//  * Swap AB: weight rows are the MMA's M (64 rows per warpgroup whatever
+//    the batch), activation rows its N (32-128 per CTA).  A from registers
+//    lets the decode sit between the load and the MMA without a trip through
+//    shared memory.
+//  * One producer warp (one lane) fills a ring of W_ST stages with TMA: the
+//    activation tile in the 128-byte swizzle wgmma reads, the weight's 32
+//    bytes per row in the 32-byte swizzle (its 16-byte halves trade places on
+//    every other group of four rows: conflict-free reads), the 512-byte scale
+//    atom with a bulk copy; rows past m / N arrive as zeros.  Each stage has a
+//    full barrier (expect_tx) and an empty one (one arrival per consumer
+//    warp, once the MMAs that read the slot have retired).  No CTA-wide
+//    barrier in the main loop.
 //  * A fragment (m16n8k16 layout per warp): thread (g, t) needs codes
 //    {2t, 2t + 1} and {2t + 8, 2t + 9} of each 16-K group of rows g, g + 8,
 //    i.e. byte t of each 4-byte word of the row.  It reads the row's 32 bytes
@@ -39,12 +44,12 @@
 //    arithmetic keeps subnormal inputs, checked by the GPU tests).  The power
 //    of two goes back in the epilogue.  The 16-K scale group is one k16 MMA:
 //    the scale is applied in the decode, never after the MMA.
-//  * Two A register sets: stage i+1 is decoded while the wgmmas of stage i
+//  * Two A register sets: stage i + 1 is decoded while the wgmmas of stage i
 //    run; wgmma.wait_group 1 keeps one stage of MMAs in flight.
 //  * Epilogue from the accumulators: alpha * 2^P * acc (+ bias), one
 //    rounding.  Split K: each rank's fp32 tile to its shared memory, rank 0
 //    adds ranks 1.. in order.  Deterministic, no workspace, no atomics,
-//    CUDA-graph safe.
+//    CUDA-graph safe (the tensor maps are kernel parameters, captured by value).
 
 #include "nvfp4_decode.cuh"
 
