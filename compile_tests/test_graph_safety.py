@@ -243,6 +243,8 @@ def test_gpu_backends_are_planned_on_the_m_they_take():
     assert plan("nvfp4_w4a16_mm", "cuda_gemv") == [3, 1, 4, 0]
     assert plan("nvfp4_mm", "cuda_mid") == [3, 1, 4, 17, 64, 0]
     assert plan("nvfp4_mm", "decode_cublas") == [130, 0]
+    assert plan("nvfp4_mm", "cuda_wgmma") == every  # TMA zero-fills the rows past M: any M
+    assert plan("nvfp4_w4a16_mm", "cuda_wgmma") == every
     assert plan("dsv3_fused_a_gemm", "fused_a") == [3, 1, 4, 0]
     assert plan("scaledmm.skinny_linear", "fused_a") == every
     gpu_cases = child.cases(torch.device("cuda"), device_checked=False)

@@ -29,7 +29,7 @@
 //    activation tile in the 128-byte swizzle wgmma reads, the weight's 32
 //    bytes per row in the 32-byte swizzle (its 16-byte halves trade places on
 //    every other group of four rows: conflict-free reads), the 512-byte scale
-//    atom with a bulk copy; rows past m / N arrive as zeros.  Each stage has a
+//    atom; rows past m / N arrive as zeros.  Each stage has a
 //    full barrier (expect_tx) and an empty one (one arrival per consumer
 //    warp, once the MMAs that read the slot have retired).  No CTA-wide
 //    barrier in the main loop.
@@ -170,13 +170,6 @@ __device__ __forceinline__ void tma_2d(u32 dst, const TmaMap* map, int c0, int c
           dst),
       "l"(map), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
-}
-
-// ``bytes`` contiguous bytes (a multiple of 16) -> shared memory, completing on ``bar``.
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
 }
 
 __device__ __forceinline__ V4 lds128(u32 addr) {
@@ -344,10 +337,11 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], const u32 (&a)[4][4
 // shared memory wg::SMEM_BYTES, clusters of (1, 1, SPLIT).  tmap_x: the
 // activation [m, K] (16-bit, box 64 x BT, 128-byte swizzle); tmap_w: the
 // packed weight [N, K / 2] (bytes, box 32 x BN, 32-byte swizzle); both
-// zero-fill rows past m / N.  out: [m, N] contiguous.
+// zero-fill rows past m / N; tmap_s: the swizzled scales as rows of 256 bytes
+// (box 256 x 2: one 512-byte atom).  out: [m, N] contiguous.
 extern "C" __global__ void W_CLUSTER __launch_bounds__(wg::THREADS_ALL, 1)
 nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ wg::TmaMap tmap_w,
-            const unsigned char* __restrict__ b_scales, const float* __restrict__ alpha_ptr,
+            const __grid_constant__ wg::TmaMap tmap_s, const float* __restrict__ alpha_ptr,
             const void* __restrict__ bias, unsigned short* __restrict__ out, int m) {
   using namespace wg;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -382,7 +376,7 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
 
   if (producer) {
     if (tid == 4 * WGS * 32) {
-      const unsigned char* s_src = b_scales + ((long long)(n0 >> 7) * NKB + kb0) * 512;
+      const int atom0 = (n0 >> 7) * NKB + kb0;  // the stage's 512-byte scale atom: rows 2a, 2a + 1 of tmap_s
       for (int i = 0; i < nk; ++i) {
         const int slot = i % STAGES;
         mbar_wait(bars + 8 * (STAGES + slot), ((i / STAGES) & 1) ^ 1);  // the slot's last readers are done
@@ -390,7 +384,7 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
         mbar_expect_tx(full, STAGE_TX);
         tma_2d(base, &tmap_x, (kb0 + i) * KB, m0, full);
         tma_2d(base + X_BYTES, &tmap_w, (kb0 + i) * (KB / 2), n0, full);
-        bulk_copy(base + X_BYTES + W_BYTES, s_src + (long long)i * 512, S_BYTES, full);
+        tma_2d(base + X_BYTES + W_BYTES, &tmap_s, 0, 2 * (atom0 + i), full);
       }
     }
     __syncwarp();

@@ -265,16 +265,18 @@ def launch(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torc
     """
     m = x.shape[0]
     n, k = b.shape[0], 2 * b.shape[1]
-    if b_scales.data_ptr() % 16:
-        raise ValueError(f"b_scales: expected a 16-byte aligned data pointer, got {b_scales.data_ptr() % 16} mod 16")
+    if b_scales.data_ptr() % 16 or not b_scales.is_contiguous():
+        raise ValueError(f"b_scales: expected a contiguous swizzled tensor at a 16-byte aligned address, got "
+                         f"strides {tuple(b_scales.stride())} at {b_scales.data_ptr() % 16} mod 16")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     cfg = cfg or choose_config(n, k, m, sm_count(dev))
     spec = kernel_spec(n, k, cfg, out.dtype, None if bias is None else bias.dtype, x.dtype)
     x_map = jit.tensor_map_2d(x.data_ptr(), 2 if x.dtype == torch.float16 else 3, k, m,
                               x.stride(0) * x.element_size(), K_MULTIPLE, cfg.tile_m, 128)
     w_map = jit.tensor_map_2d(b.data_ptr(), 1, k // 2, n, b.stride(0), K_MULTIPLE // 2, cfg.rows(), 32)
+    s_map = jit.tensor_map_2d(b_scales.data_ptr(), 1, 256, b_scales.numel() // 256, 256, 256, 2, 0)
     spec.kernel().launch(cfg.grid(n, m), cfg.threads(),
-                         (x_map, w_map, b_scales, alpha, bias, out, ctypes.c_int(m)),
+                         (x_map, w_map, s_map, alpha, bias, out, ctypes.c_int(m)),
                          device=x.device, shared_mem=cfg.smem_bytes())
     return out
 

@@ -61,7 +61,8 @@ def main() -> None:
                     x_map = jit.tensor_map_2d(x.data_ptr(), 3, k, m, k * 2, wg.K_MULTIPLE, cfg.tile_m, 128)
                     w_map = jit.tensor_map_2d(c[0].data_ptr(), 1, k // 2, n, k // 2, wg.K_MULTIPLE // 2,
                                               cfg.rows(), 32)
-                    kern.launch(cfg.grid(n, m), cfg.threads(), (x_map, w_map, c[1], one, None, out, ctypes.c_int(m)),
+                    s_map = jit.tensor_map_2d(c[1].data_ptr(), 1, 256, c[1].numel() // 256, 256, 256, 2, 0)
+                    kern.launch(cfg.grid(n, m), cfg.threads(), (x_map, w_map, s_map, one, None, out, ctypes.c_int(m)),
                                 device=dev, shared_mem=cfg.smem_bytes())
                 us = timing.measure([lambda c=c: call(c) for c in ws], dev, tcfg).median_us
                 row = {"n": n, "k": k, "m": m, "cfg": cfg.short(), "variant": name, "us": round(us, 2),
