@@ -196,6 +196,13 @@ def _table() -> kernel_tuning.KernelTable:
     return kernel_tuning.load("nvfp4_wgmma", "sm90", WgmmaConfig)
 
 
+def __getattr__(name: str):
+    # TUNING: the file's rows as {(n, k): {max_m: config}}
+    if name == "TUNING":
+        return _table().by_shape()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def default_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> WgmmaConfig:
     """A config for an unseen shape: the activation tile that covers M in
     the fewest 32-row steps up to 128, two warpgroups, split K until every SM

@@ -359,15 +359,17 @@ def test_shipped_policy(fake_gpu):
     order = backends.priority("nvfp4", torch.device("cuda", 0))
     assert order.count(dc.NAME) == 1
     assert order.index(dc.NAME) < order.index("triton") < order.index("reference")
-    expected = ["cuda_gemv", "cuda_mid"] if fake_gpu == "sm90" else []
+    expected = ["cuda_gemv", "cuda_wgmma", "cuda_mid"] if fake_gpu == "sm90" else []
     assert order == expected + [dc.NAME, "triton", "reference"]
     assert backends.policy("nvfp4", torch.device("cuda", 0)).switches[dc.NAME] == "SCALEDMM_NVFP4_DECODE_CUBLAS"
 
 
 def test_large_m_selects_it_small_m_does_not(fake_gpu, monkeypatch):
     for m in (dc.MIN_M, 128, 1023, 4096):
-        assert backends.select(_problem(m), "nvfp4_mm").name == dc.NAME
-        assert backends.select(_problem(m, w4a16=True), "nvfp4_w4a16_mm").name == dc.NAME
+        # sm90: the measured rows give M 65-512 to cuda_wgmma
+        want = "cuda_wgmma" if fake_gpu == "sm90" and m <= 512 else dc.NAME
+        assert backends.select(_problem(m), "nvfp4_mm").name == want
+        assert backends.select(_problem(m, w4a16=True), "nvfp4_w4a16_mm").name == want
         assert backends.select(_problem(m, out_dtype=torch.float32), "nvfp4_mm").name == dc.NAME
     for m in (1, 8, 16):
         assert backends.select(_problem(m), "nvfp4_mm").name != dc.NAME

@@ -24,6 +24,7 @@ from scaledmm.ops import nvfp4 as nv
 from scaledmm.ops import nvfp4_cublas as dc
 from scaledmm.ops import nvfp4_gemv as gv
 from scaledmm.ops import nvfp4_mid as md
+from scaledmm.ops import nvfp4_wgmma as wg
 
 LLAMA8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 U8, BF16, F16 = torch.uint8, torch.bfloat16, torch.float16
@@ -132,14 +133,18 @@ def test_prebuild_hook():
 # ----------------------------------------------------------------------------
 
 
-def test_priority_after_the_gemv_and_the_m_ranges(fake_sm90):
-    order = [gv.NAME, md.NAME, "decode_cublas", "triton", "reference"]
+def test_priority_and_the_m_ranges(fake_sm90):
+    order = [gv.NAME, wg.NAME, md.NAME, "decode_cublas", "triton", "reference"]
     assert backends.priority("nvfp4", torch.device("cuda", 0)) == order  # the shipped sm90 policy
     for m in (1, 16, 32):
         assert backends.select(_problem(m), "nvfp4_mm").name == gv.NAME
-    for m in (33, 64, md.MAX_M):
+    for m in (33, 64):  # the measured rows: cuda_mid up to 64, cuda_wgmma from 65
         assert backends.select(_problem(m), "nvfp4_mm").name == md.NAME
-    assert backends.select(_problem(md.MAX_M + 1), "nvfp4_mm").name == "decode_cublas"  # it starts at 128
+    for m in (65, 100, md.MAX_M, 512):
+        assert backends.select(_problem(m), "nvfp4_mm").name == wg.NAME
+    assert backends.select(_problem(40, k=4064), "nvfp4_mm").name == md.NAME  # K % 64 != 0: not cuda_wgmma
+    assert backends.select(_problem(100, k=4064), "nvfp4_mm").name == md.NAME
+    assert backends.select(_problem(md.MAX_M + 1, k=4064), "nvfp4_mm").name == "decode_cublas"
     assert md.MAX_M + 1 == dc.MIN_M  # no gap between the two backends' M ranges
     assert backends.select(_problem(17, w4a16=True), "nvfp4_w4a16_mm").name == md.NAME
     assert backends.select(_problem(40, out_dtype=torch.float32), "nvfp4_mm").name not in (md.NAME, gv.NAME)
@@ -147,15 +152,17 @@ def test_priority_after_the_gemv_and_the_m_ranges(fake_sm90):
 
 def test_shipped_policy_and_switch(fake_sm90, monkeypatch):
     sm90 = backends.policy("nvfp4", "sm90")
-    assert sm90.order.index(md.NAME) == sm90.order.index(gv.NAME) + 1
+    assert sm90.order.index(md.NAME) > sm90.order.index(gv.NAME)
     assert md.NAME not in backends.policy("nvfp4", "sm80").order
     var = sm90.switches[md.NAME]
     assert var == "SCALEDMM_NVFP4_MID"
     monkeypatch.setenv(var, "0")  # read at selection time: the next backend takes its M range
     assert md.NAME not in backends.priority("nvfp4", torch.device("cuda", 0))
-    assert backends.select(_problem(64), "nvfp4_mm").name == "triton"
+    assert backends.select(_problem(64), "nvfp4_mm").name == wg.NAME
     assert backends.select(_problem(16), "nvfp4_mm").name == gv.NAME
-    monkeypatch.setenv(sm90.switches[gv.NAME], "0")  # both off: triton below 128
+    monkeypatch.setenv(sm90.switches[wg.NAME], "0")
+    assert backends.select(_problem(64), "nvfp4_mm").name == "triton"
+    monkeypatch.setenv(sm90.switches[gv.NAME], "0")  # all three off: triton below 128
     assert backends.select(_problem(16), "nvfp4_mm").name == "triton"
     monkeypatch.delenv(var)
     assert backends.select(_problem(16), "nvfp4_mm").name == md.NAME  # cuda_gemv off: cuda_mid first

@@ -85,7 +85,7 @@ def test_shipped_files_validate_and_name_registered_backends():
                                                           for b in n}
             assert named <= registered, (fam, arch, named - registered)
     assert set(loaded["nvfp4"]["sm90"].switches.values()) == {
-        "SCALEDMM_NVFP4_GEMV", "SCALEDMM_NVFP4_MID", "SCALEDMM_NVFP4_DECODE_CUBLAS"}
+        "SCALEDMM_NVFP4_GEMV", "SCALEDMM_NVFP4_MID", "SCALEDMM_NVFP4_DECODE_CUBLAS", "SCALEDMM_NVFP4_WGMMA"}
     assert len(list(TUNING.glob("*.json"))) == sum(len(v) for v in loaded.values())
 
 
