@@ -1,6 +1,6 @@
 // PTX helpers shared by the DSV3 fused-A kernels (dsv3_fused_a_gemm.cu, the
 // register kernel, and dsv3_fused_a_gemm_tma.cu, the TMA-ring kernel), the
-// NVFP4 kernels (nvfp4_gemv.cu, nvfp4_mid.cu) and the FP8 one (fp8_gemv.cu),
+// NVFP4 kernels (nvfp4_gemv.cu, nvfp4_mid.cu, nvfp4_wgmma.cu) and the FP8 one (fp8_gemv.cu),
 // and the split-K epilogue of the register-streaming ones.
 // Compiled at run time by NVRTC; no CUDA headers needed.
 #pragma once
@@ -52,6 +52,38 @@ __device__ __forceinline__ u16 to_bf16(float f) {
   return h;
 }
 
+// Shared-memory address (32-bit) of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// mbarriers (the TMA / bulk-copy kernels: dsv3_fused_a_gemm_tma.cu, nvfp4_wgmma.cu).
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Spin until the phase with parity ``parity`` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  u32 done;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
 // Programmatic dependent launch: wait for the previous grid's memory, and let
 // the next grid start launching.
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
@@ -74,8 +106,8 @@ __device__ __forceinline__ void cluster_sync() {
 // A float of the shared memory of cluster rank ``rank`` at the address of ``p``
 // in this CTA (the split-K partial sums, added in rank order).
 __device__ __forceinline__ float load_peer_smem(const float* p, u32 rank) {
-  u32 local, remote;
-  asm volatile("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(local) : "l"(p));
+  const u32 local = smem_addr(p);
+  u32 remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
   float v;
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");

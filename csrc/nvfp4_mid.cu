@@ -156,12 +156,6 @@ __device__ __forceinline__ void ld_shared_v4(u32 addr, u32* v) {
                : "memory");
 }
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 a;
-  asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
-  return a;
-}
-
 // Four floats at shared address ``addr`` (this CTA's view) of cluster rank ``rank``.
 __device__ __forceinline__ void load_peer_v4(u32 addr, u32 rank, float (&v)[4]) {
   u32 remote;

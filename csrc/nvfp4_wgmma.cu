@@ -130,38 +130,10 @@ static_assert(WGS == 1 || WGS == 2, "W_WG must be 1 or 2");
 static_assert(STAGES >= 4 && STAGES <= 8, "W_ST must be 4..8");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "W_SPLIT must be 1, 2 or 4");
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 a;
-  asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
-  return a;
-}
-
 // A CUtensorMap, passed by value (__grid_constant__) and read by the TMA unit.
 struct alignas(64) TmaMap {
   unsigned long long v[16];
 };
-
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-// Spin until the phase with parity ``parity`` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\tWAIT_%=:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
-      "@!p bra WAIT_%=;\n\t}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 
 // 2-D tile of a tensor map -> shared memory, completing on ``bar``.
 __device__ __forceinline__ void tma_2d(u32 dst, const TmaMap* map, int c0, int c1, u32 bar) {
@@ -345,7 +317,7 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
             const void* __restrict__ bias, unsigned short* __restrict__ out, int m) {
   using namespace wg;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const u32 smem0 = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const u32 smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const u32 bars = smem0 + BODY_BYTES;  // full[STAGES], then empty[STAGES]
 
   const int tid = threadIdx.x;

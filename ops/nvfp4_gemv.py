@@ -431,8 +431,8 @@ def gemv_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None
 
 
 def run_mm(launch_fn, a, b, a_scales, b_scales, alpha, out_dtype, bias, cfg):
-    """``nvfp4_mm`` through ``launch_fn`` (this module's or ``nvfp4_mid``'s
-    :func:`launch`): a fresh output, M = 0 / N = 0 without a launch, operands
+    """``nvfp4_mm`` through ``launch_fn`` (this module's :func:`launch` or
+    one with its arguments: ``nvfp4_mid``'s, ``nvfp4_wgmma``'s): a fresh output, M = 0 / N = 0 without a launch, operands
     that are not 16-byte aligned refused (:func:`require_aligned`)."""
     out = nv.mm_output(a, b, out_dtype)
     if a.shape[0] == 0 or b.shape[0] == 0:

@@ -41,7 +41,6 @@ import torch
 from scaledmm import backends, jit, kernel_tuning
 from scaledmm.backends import Backend, Family, Problem
 from scaledmm.device import NUM_SMS_H200, sm_count
-from scaledmm.ops import nvfp4 as nv
 from scaledmm.ops import nvfp4_gemv as gv
 
 FAMILY = Family.NVFP4
@@ -288,6 +287,16 @@ def launch(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torc
     return out
 
 
+def _launch_w4a4(a, b, a_scales, b_scales, alpha, bias, out, cfg):
+    from scaledmm.ops import nvfp4_triton as nt
+
+    return launch(nt.dequant(a, a_scales, W4A4_ACT), b, b_scales, alpha, bias, out, cfg)
+
+
+def _launch_w4a16(x, b, _unused, b_scales, alpha, bias, out, cfg):
+    return launch(x, b, b_scales, alpha, bias, out, cfg)
+
+
 def wgmma_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None, cfg: WgmmaConfig | None = None):
     """Backend entry of ``nvfp4_mm``: the activation decoded to fp16 once
     (exact), then the kernel; a fresh ``[M, N]`` ``alpha * deq(a) @ deq(b).T (+ bias)``.
@@ -303,13 +312,7 @@ def wgmma_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=Non
     >>> with scaledmm.use_backend("nvfp4", "cuda_wgmma"):                 # doctest: +SKIP
     ...     out = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, one)
     """
-    from scaledmm.ops import nvfp4_triton as nt
-
-    out = nv.mm_output(a, b, out_dtype)
-    if a.shape[0] == 0 or b.shape[0] == 0:
-        return out
-    gv.require_aligned(a, b)
-    return launch(nt.dequant(a, a_scales, W4A4_ACT), b, b_scales, alpha, bias, out, cfg)
+    return gv.run_mm(_launch_w4a4, a, b, a_scales, b_scales, alpha, out_dtype, bias, cfg)
 
 
 def wgmma_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None, cfg: WgmmaConfig | None = None):
@@ -325,11 +328,7 @@ def wgmma_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=Non
     >>> with scaledmm.use_backend("nvfp4", "cuda_wgmma"):                 # doctest: +SKIP
     ...     out = torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, one)
     """
-    out = nv.mm_output(x, b, out_dtype)
-    if x.shape[0] == 0 or b.shape[0] == 0:
-        return out
-    gv.require_aligned(x, b)
-    return launch(x, b, b_scales, weight_alpha, bias, out, cfg)
+    return gv.run_w4a16(_launch_w4a16, x, b, b_scales, weight_alpha, out_dtype, bias, cfg)
 
 
 # ----------------------------------------------------------------------------

@@ -193,3 +193,35 @@ def check_quant(x, gs, q, s, swizzle):
     valid = (~nan_y).repeat_interleave(16, dim=1)
     diff = (codes != codes_ref) & valid
     assert not diff.any(), f"{int(diff.sum())} codes differ from SPEC's rule"
+
+
+# ----------------------------------------------------------------------------
+# GPU operands and the float64 bound of the CUDA kernels' tests
+# ----------------------------------------------------------------------------
+
+
+def cuda_operands(m: int, n: int, k: int):
+    """``(qa, sa, qb, sb, alpha)`` on the GPU: an activation with row scales
+    spread over [0, 4) and a weight of unit-ish rows, each quantized with its
+    own global scale; alpha undoes both."""
+    x = torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 4
+    w = torch.randn(n, k, device="cuda") / k ** 0.5
+    gs_x = torch.tensor(448 * 6 / max(float(x.abs().max()), 1e-6), device="cuda")
+    gs_w = torch.tensor(448 * 6 / float(w.abs().max()), device="cuda")
+    qa, sa = ops.nvfp4_quant(x.bfloat16(), gs_x)
+    qb, sb = ops.nvfp4_quant(w.bfloat16(), gs_w)
+    return qa, sa, qb, sb, (1.0 / (gs_x * gs_w)).float()
+
+
+def check_f64_bound(out, xd, wd, alpha, bias=None):
+    """``out`` against float64 ``alpha * xd @ wd.T (+ bias)`` within one output
+    rounding plus fp32 summation."""
+    ref = xd.double() @ wd.double().t() * float(alpha)
+    if bias is not None:
+        ref = ref + bias.double()
+    absum = xd.double().abs() @ wd.double().abs().t() * float(alpha)
+    eps = 2.0 ** -8 if out.dtype == torch.bfloat16 else 2.0 ** -11
+    bound = ref.abs() * eps + absum * 2.0 ** -20 + 1e-30
+    assert torch.isfinite(out).all(), "non-finite output (unwritten poison?)"
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), f"worst {float((err / bound).max()):.2f}x the bound"

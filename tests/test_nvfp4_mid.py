@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import nvfp4_problem as _problem
 from helpers import nvrtc_registers, poison_
+from nvfp4_helpers import check_f64_bound, cuda_operands
 
 import scaledmm
 from scaledmm import backends, jit
@@ -194,30 +195,6 @@ def test_explicit_request_on_cpu_explains():
 # ----------------------------------------------------------------------------
 
 
-def _operands(m, n, k):
-    x = torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 4
-    w = torch.randn(n, k, device="cuda") / k ** 0.5
-    gs_x = torch.tensor(448 * 6 / max(float(x.abs().max()), 1e-6), device="cuda")
-    gs_w = torch.tensor(448 * 6 / float(w.abs().max()), device="cuda")
-    qa, sa = torch.ops.scaledmm.nvfp4_quant(x.bfloat16(), gs_x)
-    qb, sb = torch.ops.scaledmm.nvfp4_quant(w.bfloat16(), gs_w)
-    return qa, sa, qb, sb, (1.0 / (gs_x * gs_w)).float()
-
-
-def _check(out, xd, wd, alpha, bias=None):
-    """``out`` against float64 ``alpha * xd @ wd.T (+ bias)`` within one output
-    rounding plus fp32 summation."""
-    ref = xd.double() @ wd.double().t() * float(alpha)
-    if bias is not None:
-        ref = ref + bias.double()
-    absum = xd.double().abs() @ wd.double().abs().t() * float(alpha)
-    eps = 2.0 ** -8 if out.dtype == BF16 else 2.0 ** -11
-    bound = ref.abs() * eps + absum * 2.0 ** -20 + 1e-30
-    assert torch.isfinite(out).all(), "non-finite output (unwritten poison?)"
-    err = (out.double() - ref).abs()
-    assert (err <= bound).all(), f"worst {float((err / bound).max()):.2f}x the bound"
-
-
 def _run(a, b, sa, sb, alpha, out_dtype=BF16, bias=None, cfg=None):
     torch.full((a.shape[0] * b.shape[0] + 1024,), float("nan"), device="cuda")  # NaN in the allocator
     if cfg is not None:
@@ -234,9 +211,9 @@ def _run(a, b, sa, sb, alpha, out_dtype=BF16, bias=None, cfg=None):
 @pytest.mark.parametrize("m", [17, 33, 64, 65, 100, 128, 300])
 @pytest.mark.parametrize("n,k", LLAMA8B + [(1040, 736), (200, 96)])
 def test_gpu_w4a4_matches_f64(m, n, k):
-    qa, sa, qb, sb, alpha = _operands(m, n, k)
+    qa, sa, qb, sb, alpha = cuda_operands(m, n, k)
     cfg = md.choose_config(n, k, md.m_bucket(m)) if m > md.MAX_M else None  # row slices: the launcher itself
-    _check(_run(qa, qb, sa, sb, alpha, cfg=cfg), nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha)
+    check_f64_bound(_run(qa, qb, sa, sb, alpha, cfg=cfg), nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha)
 
 
 @requires_sm90
@@ -244,19 +221,19 @@ def test_gpu_w4a4_matches_f64(m, n, k):
 @pytest.mark.parametrize("m", [17, 64, 100])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1040, 736), (200, 96)])
 def test_gpu_w4a16_matches_f64(m, n, k, dtype):
-    _, _, qb, sb, _ = _operands(1, n, k)
+    _, _, qb, sb, _ = cuda_operands(1, n, k)
     x = (torch.randn(m, k, device="cuda") * 3).to(dtype)
-    _check(_run(x, qb, None, sb, torch.tensor(0.5, device="cuda")), x, nv.dequantize(qb, sb), 0.5)
+    check_f64_bound(_run(x, qb, None, sb, torch.tensor(0.5, device="cuda")), x, nv.dequantize(qb, sb), 0.5)
 
 
 @requires_sm90
 @pytest.mark.parametrize("out_dtype", [BF16, F16])
 @pytest.mark.parametrize("bias_dtype", [torch.float32, BF16, F16])
 def test_gpu_bias_alpha(out_dtype, bias_dtype):
-    qa, sa, qb, sb, alpha = _operands(40, 1040, 2048)
+    qa, sa, qb, sb, alpha = cuda_operands(40, 1040, 2048)
     bias = torch.randn(1040, device="cuda").to(bias_dtype)
     out = _run(qa, qb, sa, sb, alpha * 3.0, out_dtype, bias)
-    _check(out, nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha * 3.0, bias)
+    check_f64_bound(out, nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha * 3.0, bias)
 
 
 @requires_sm90
@@ -266,19 +243,19 @@ def test_gpu_bias_alpha(out_dtype, bias_dtype):
 def test_gpu_every_candidate_config(mb, w4a16, ring):
     n, k = 1040, 4064  # a partial 128-wide unit, N not a multiple of any tile
     m = mb - 5 if mb < 64 else 2 * mb + 3  # the widest bucket: three row slices
-    qa, sa, qb, sb, alpha = _operands(m, n, k)
+    qa, sa, qb, sb, alpha = cuda_operands(m, n, k)
     x = (torch.randn(m, k, device="cuda") * 3).to(BF16)
     for cfg in [c for c in md.candidate_configs(n, k, mb, w4a16=w4a16) if bool(c.ring) == ring]:
         if w4a16:
-            _check(_run(x, qb, None, sb, alpha, cfg=cfg), x, nv.dequantize(qb, sb), alpha)
+            check_f64_bound(_run(x, qb, None, sb, alpha, cfg=cfg), x, nv.dequantize(qb, sb), alpha)
         else:
-            _check(_run(qa, qb, sa, sb, alpha, cfg=cfg), nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha)
+            check_f64_bound(_run(qa, qb, sa, sb, alpha, cfg=cfg), nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha)
 
 
 @requires_sm90
 def test_gpu_strided_rows_nan_scale_zero_m_and_misaligned():
     m, n, k = 70, 1040, 1024
-    qa, sa, qb, sb, alpha = _operands(m, n, k)
+    qa, sa, qb, sb, alpha = cuda_operands(m, n, k)
     s = nv.unswizzle_block_scales(sa, m, k // 16)
     s.view(torch.uint8)[66, 3] = 0x7F  # e4m3 NaN in the second row slice of 64
     wide = torch.zeros(m, k // 2 + 48, dtype=U8, device="cuda")
@@ -286,7 +263,7 @@ def test_gpu_strided_rows_nan_scale_zero_m_and_misaligned():
     out = _run(wide[:, 16:16 + k // 2], qb, nv.swizzle_block_scales(s), sb, alpha)  # row stride 560 bytes
     assert torch.isnan(out[66]).all()
     rows = [r for r in range(m) if r != 66]
-    _check(out[rows], nv.dequantize(qa, sa)[rows], nv.dequantize(qb, sb), alpha)
+    check_f64_bound(out[rows], nv.dequantize(qa, sa)[rows], nv.dequantize(qb, sb), alpha)
     qa0, sa0 = torch.ops.scaledmm.nvfp4_quant(torch.empty(0, k, dtype=BF16, device="cuda"), alpha)
     assert _run(qa0, qb, sa0, sb, alpha).shape == (0, n)
     shifted = torch.zeros(m, k // 2 + 16, dtype=U8, device="cuda")
@@ -296,19 +273,19 @@ def test_gpu_strided_rows_nan_scale_zero_m_and_misaligned():
     with backends.record() as calls:
         out = torch.ops.scaledmm.nvfp4_mm(shifted[:, 1:1 + k // 2], qb, sa, sb, alpha)
     assert calls[-1][1] not in (gv.NAME, md.NAME)
-    _check(out, nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha)
+    check_f64_bound(out, nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha)
 
 
 @requires_sm90
 def test_gpu_deterministic_auto_and_cuda_graph():
-    qa, sa, qb, sb, alpha = _operands(64, 4096, 4096)
+    qa, sa, qb, sb, alpha = cuda_operands(64, 4096, 4096)
     first = _run(qa, qb, sa, sb, alpha)
     assert torch.equal(first, _run(qa, qb, sa, sb, alpha))
     with backends.record() as calls:
         auto = torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha)
     if backends.policy("nvfp4", qa.device).enabled(md.NAME):
         assert calls[-1][1] == md.NAME and torch.equal(auto, first)
-    qa2, sa2, _, _, _ = _operands(64, 4096, 4096)
+    qa2, sa2, _, _, _ = cuda_operands(64, 4096, 4096)
     graph = torch.cuda.CUDAGraph()
     with scaledmm.use_backend("nvfp4", md.NAME):
         with torch.cuda.graph(graph):

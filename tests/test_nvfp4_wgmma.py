@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import nvfp4_problem as _problem
 from helpers import nvrtc_registers, poison_
+from nvfp4_helpers import check_f64_bound, cuda_operands
 
 import scaledmm
 from scaledmm import backends, jit
@@ -166,30 +167,6 @@ def test_explicit_request_on_cpu_explains():
 # ----------------------------------------------------------------------------
 
 
-def _operands(m, n, k):
-    x = torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 4
-    w = torch.randn(n, k, device="cuda") / k ** 0.5
-    gs_x = torch.tensor(448 * 6 / max(float(x.abs().max()), 1e-6), device="cuda")
-    gs_w = torch.tensor(448 * 6 / float(w.abs().max()), device="cuda")
-    qa, sa = torch.ops.scaledmm.nvfp4_quant(x.bfloat16(), gs_x)
-    qb, sb = torch.ops.scaledmm.nvfp4_quant(w.bfloat16(), gs_w)
-    return qa, sa, qb, sb, (1.0 / (gs_x * gs_w)).float()
-
-
-def _check(out, xd, wd, alpha, bias=None):
-    """``out`` against float64 ``alpha * xd @ wd.T (+ bias)`` within one output
-    rounding plus fp32 summation."""
-    ref = xd.double() @ wd.double().t() * float(alpha)
-    if bias is not None:
-        ref = ref + bias.double()
-    absum = xd.double().abs() @ wd.double().abs().t() * float(alpha)
-    eps = 2.0 ** -8 if out.dtype == BF16 else 2.0 ** -11
-    bound = ref.abs() * eps + absum * 2.0 ** -20 + 1e-30
-    assert torch.isfinite(out).all(), "non-finite output (unwritten poison?)"
-    err = (out.double() - ref).abs()
-    assert (err <= bound).all(), f"worst {float((err / bound).max()):.2f}x the bound"
-
-
 def _run(a, b, sa, sb, alpha, out_dtype=BF16, bias=None, cfg=None):
     torch.full((a.shape[0] * b.shape[0] + 1024,), float("nan"), device="cuda")  # NaN in the allocator
     if cfg is not None:
@@ -226,8 +203,8 @@ def test_gpu_decode_every_code_and_scale_exact(dtype):
 @pytest.mark.parametrize("m", [17, 64, 100, 128, 300, 1023])
 @pytest.mark.parametrize("n,k", LLAMA8B[1:3] + [(1040, 4032), (200, 128)])
 def test_gpu_w4a4_matches_f64(m, n, k):
-    qa, sa, qb, sb, alpha = _operands(m, n, k)
-    _check(_run(qa, qb, sa, sb, alpha), nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha)
+    qa, sa, qb, sb, alpha = cuda_operands(m, n, k)
+    check_f64_bound(_run(qa, qb, sa, sb, alpha), nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha)
 
 
 @requires_sm90
@@ -235,46 +212,46 @@ def test_gpu_w4a4_matches_f64(m, n, k):
 @pytest.mark.parametrize("m", [33, 256, 513])
 @pytest.mark.parametrize("n,k", [(4096, 14336), (1040, 4032), (200, 128)])
 def test_gpu_w4a16_matches_f64(m, n, k, dtype):
-    _, _, qb, sb, _ = _operands(1, n, k)
+    _, _, qb, sb, _ = cuda_operands(1, n, k)
     x = (torch.randn(m, k, device="cuda") * 3).to(dtype)
-    _check(_run(x, qb, None, sb, torch.tensor(0.5, device="cuda")), x, nv.dequantize(qb, sb), 0.5)
+    check_f64_bound(_run(x, qb, None, sb, torch.tensor(0.5, device="cuda")), x, nv.dequantize(qb, sb), 0.5)
 
 
 @requires_sm90
 @pytest.mark.parametrize("out_dtype", [BF16, F16])
 @pytest.mark.parametrize("bias_dtype", [torch.float32, BF16, F16])
 def test_gpu_bias_alpha(out_dtype, bias_dtype):
-    qa, sa, qb, sb, alpha = _operands(40, 1040, 2048)
+    qa, sa, qb, sb, alpha = cuda_operands(40, 1040, 2048)
     bias = torch.randn(1040, device="cuda").to(bias_dtype)
     out = _run(qa, qb, sa, sb, alpha * 3.0, out_dtype, bias)
-    _check(out, nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha * 3.0, bias)
+    check_f64_bound(out, nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha * 3.0, bias)
 
 
 @requires_sm90
 @pytest.mark.parametrize("m", [37, 200])
 def test_gpu_every_candidate_config(m):
     n, k = 1040, 4032  # N not a multiple of any tile; 63 stages (uneven splits)
-    _, _, qb, sb, _ = _operands(1, n, k)
+    _, _, qb, sb, _ = cuda_operands(1, n, k)
     x = (torch.randn(m, k, device="cuda") * 3).to(BF16)
     alpha = torch.tensor(0.25, device="cuda")
     wd = nv.dequantize(qb, sb)
     for cfg in wg.candidate_configs(n, k, m):
-        _check(_run(x, qb, None, sb, alpha, cfg=cfg), x, wd, alpha)
+        check_f64_bound(_run(x, qb, None, sb, alpha, cfg=cfg), x, wd, alpha)
 
 
 @requires_sm90
 def test_gpu_strided_rows_nan_scale_zero_m():
     m, n, k = 70, 1040, 1024
-    qa, sa, qb, sb, alpha = _operands(m, n, k)
+    qa, sa, qb, sb, alpha = cuda_operands(m, n, k)
     x = torch.randn(m, k + 24, device="cuda", dtype=BF16)[:, 8:8 + k]  # row stride 2096 bytes
     out = _run(x, qb, None, sb, alpha)
-    _check(out, x, nv.dequantize(qb, sb), alpha)
+    check_f64_bound(out, x, nv.dequantize(qb, sb), alpha)
     s = nv.unswizzle_block_scales(sb, n, k // 16)
     s.view(torch.uint8)[1000, 5] = 0x7F  # e4m3 NaN: weight row 1000 is NaN for every activation row
     out = _run(x, qb, None, nv.swizzle_block_scales(s), alpha)
     assert torch.isnan(out[:, 1000]).all()
     cols = [c for c in range(n) if c != 1000]
-    _check(out[:, cols], x, nv.dequantize(qb, sb)[cols], alpha)
+    check_f64_bound(out[:, cols], x, nv.dequantize(qb, sb)[cols], alpha)
     assert _run(x[:0], qb, None, sb, alpha).shape == (0, n)
     qa0, sa0 = torch.ops.scaledmm.nvfp4_quant(torch.empty(0, k, dtype=BF16, device="cuda"), alpha)
     assert _run(qa0, qb, sa0, sb, alpha).shape == (0, n)
@@ -282,10 +259,10 @@ def test_gpu_strided_rows_nan_scale_zero_m():
 
 @requires_sm90
 def test_gpu_deterministic_and_cuda_graph():
-    qa, sa, qb, sb, alpha = _operands(512, 4096, 4096)
+    qa, sa, qb, sb, alpha = cuda_operands(512, 4096, 4096)
     first = _run(qa, qb, sa, sb, alpha)
     assert torch.equal(first, _run(qa, qb, sa, sb, alpha))
-    qa2, sa2, _, _, _ = _operands(512, 4096, 4096)
+    qa2, sa2, _, _, _ = cuda_operands(512, 4096, 4096)
     graph = torch.cuda.CUDAGraph()
     with scaledmm.use_backend("nvfp4", wg.NAME):
         torch.ops.scaledmm.nvfp4_mm(qa, qb, sa, sb, alpha)  # build outside the capture
