@@ -106,7 +106,7 @@ class WgmmaConfig:
     warpgroups : int
         Consumer warpgroups (1 or 2); the CTA owns ``64 * warpgroups`` weight rows.
     stages : int
-        ``cp.async`` pipeline stages of 64 K (4-8); ``stages - 2`` are in flight.
+        TMA ring stages of 64 K (4-8); the producer runs up to ``stages - 1`` ahead.
     split_k : int
         CTAs per cluster splitting K (1, 2, 4); partial tiles added through DSMEM.
     """
@@ -178,7 +178,7 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
     return True, "ok"
 
 
-def tuned(n: int, k: int, m: int, w4a16: bool = False) -> WgmmaConfig | None:
+def tuned(n: int, k: int, m: int) -> WgmmaConfig | None:
     """The measured config for an ``N x K`` weight at ``m`` rows, or None
     (read once from ``scaledmm/tuning/kernels/nvfp4_wgmma_sm90.json``; one
     table for W4A4 and W4A16: the kernel is the same).
@@ -223,7 +223,7 @@ def default_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> Wgmma
     return cfg if config_valid(cfg, n, k)[0] else WgmmaConfig(tile, 2, 4, 1)
 
 
-@functools.lru_cache(maxsize=None)  # once per shape and M: every launch asks
+@functools.lru_cache(maxsize=4096)  # once per shape and M: every launch asks
 def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> WgmmaConfig:
     """The measured config (:func:`tuned`) or :func:`default_config`."""
     cfg = tuned(n, k, m)
