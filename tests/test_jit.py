@@ -292,3 +292,14 @@ def test_cli_module_runs_without_warnings(cache):
     proc = subprocess.run([sys.executable, "-m", "scaledmm.jit", "build"], capture_output=True, text=True, env=env,
                           timeout=240)
     assert proc.returncode == 2 and "--skinny" in proc.stderr
+
+
+def test_tensor_map_2d_checks_its_arguments_before_the_driver():
+    with pytest.raises(ValueError, match="kind, swizzle"):
+        jit.tensor_map_2d(0, 1, 64, 1, 64, 64, 1, 16)
+    with pytest.raises(ValueError, match="kind, swizzle"):
+        jit.tensor_map_2d(0, 4, 64, 1, 64, 64, 1, 0)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        jit.tensor_map_2d(8, 1, 64, 1, 64, 64, 1, 0)
+    with pytest.raises(ValueError, match="non-empty"):
+        jit.tensor_map_2d(16, 1, 64, 0, 64, 64, 1, 0)
