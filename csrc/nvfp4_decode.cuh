@@ -264,13 +264,13 @@ __device__ __forceinline__ void mma_act(float (&d)[4], u32 a0, u32 a1, u32 a2, u
   }
 }
 
-// out[mm, n] = alpha * 2^28 (W4A4) or 2^14 (W4A16) * s (+ bias[n]), one
-// rounding to the output type: the power of two undoes the decoders' 2^-14
-// per decoded operand (exact).  BIAS 0 none, 1 fp32, 2 bf16, 3 fp16; ldo the
-// output row length.
-template <int ACT, int BIAS, bool OUT_F16, int LDO>
-__device__ __forceinline__ void store_out(u16* out, const void* bias, float alpha, int mm, int n, float s) {
-  float v = s * (ACT == 0 ? 268435456.0f : 16384.0f) * alpha;
+// out[mm, n] = alpha * pow2 * s (+ bias[n]), one rounding to the output type:
+// the power of two undoes the decoders' scaling of the operands (exact).  BIAS
+// 0 none, 1 fp32, 2 bf16, 3 fp16; ldo the output row length.
+template <int BIAS, bool OUT_F16, int LDO>
+__device__ __forceinline__ void store_scaled(u16* out, const void* bias, float pow2, float alpha, int mm, int n,
+                                             float s) {
+  float v = s * pow2 * alpha;
   if (BIAS == 1) {
     v += ((const float*)bias)[n];
   } else if (BIAS == 2) {
@@ -279,6 +279,13 @@ __device__ __forceinline__ void store_out(u16* out, const void* bias, float alph
     v += f16_to_f32(((const u16*)bias)[n]);
   }
   out[(long long)mm * LDO + n] = OUT_F16 ? to_f16(v) : to_bf16(v);
+}
+
+// The GEMV / middle-M kernels' store: 2^28 (W4A4) or 2^14 (W4A16), the
+// decoders' 2^-14 per decoded operand.
+template <int ACT, int BIAS, bool OUT_F16, int LDO>
+__device__ __forceinline__ void store_out(u16* out, const void* bias, float alpha, int mm, int n, float s) {
+  store_scaled<BIAS, OUT_F16, LDO>(out, bias, ACT == 0 ? 268435456.0f : 16384.0f, alpha, mm, n, s);
 }
 
 // Byte offset of swizzled scale column 8 * unit0 + 2 t (unit 0) of row r when

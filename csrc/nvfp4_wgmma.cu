@@ -466,16 +466,6 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
   for (int i = 0; i < ACC; ++i) {
     const int n = n0 + wgi * 64 + warp * 16 + g + ((i >> 1) & 1) * 8;
     const int mm = m0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
-    if (n < N && mm < m) {
-      float v = acc[i] * DECODE_POW * alpha;
-      if (W_BIAS == 1) {
-        v += ((const float*)bias)[n];
-      } else if (W_BIAS == 2) {
-        v += bf16_to_f32(((const u16*)bias)[n]);
-      } else if (W_BIAS == 3) {
-        v += f16_to_f32(((const u16*)bias)[n]);
-      }
-      out[(long long)mm * N + n] = W_OUT_F16 ? to_f16(v) : to_bf16(v);
-    }
+    if (n < N && mm < m) store_scaled<W_BIAS, W_OUT_F16 != 0, N>(out, bias, DECODE_POW, alpha, mm, n, acc[i]);
   }
 }
