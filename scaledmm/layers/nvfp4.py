@@ -33,6 +33,16 @@ def _scalar(name: str, t, device=None) -> torch.Tensor:
     return t.detach().to(torch.float32).reshape(())
 
 
+def _all_rows_amax(finite: torch.Tensor) -> torch.Tensor:
+    """amax of a non-negative [M, K] tensor as a [1] tensor, 0 for M = 0: the
+    per-row amax (K > 0) padded with one 0.  Inductor inlines the pad into
+    the second reduction (a ``cat`` with a constant would be a kernel of its
+    own per call).  The floor is applied by the caller from a buffer: Python
+    floats would be traced as symbolic floats under dynamic=True and cost a
+    second trace."""
+    return F.pad(finite.amax(dim=1), (0, 1)).amax().reshape(1)
+
+
 class NvFp4Linear(QuantizedLinearBase):
     """Linear layer with NVFP4 weights: e2m1 codes, an e4m3 scale per 16
     weights along K, a float32 global scale.
@@ -240,10 +250,7 @@ class NvFp4Linear(QuantizedLinearBase):
         """Per-call (global_scale, alpha) from the amax of the finite values of x
         (NaN/Inf must not change the other rows' scaling)."""
         finite = x2.float().abs().nan_to_num(nan=0.0, posinf=0.0)
-        row_amax = finite.amax(dim=1)  # K > 0, so this is fine for M = 0
-        # The constants live in buffers: Python floats would be traced as
-        # symbolic floats under dynamic=True and cost a second trace.
-        amax = torch.cat([row_amax, self._amax_floor]).amax().reshape(1)
+        amax = torch.maximum(_all_rows_amax(finite), self._amax_floor)
         gs = self._range / amax
         return gs, self._weight_alpha / gs
 

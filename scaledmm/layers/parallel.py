@@ -36,7 +36,7 @@ from torch import nn
 from scaledmm import validation as V
 from scaledmm.layers.fp8 import Fp8Linear
 from scaledmm.layers.fp8_block import Fp8BlockLinear
-from scaledmm.layers.nvfp4 import NvFp4Linear
+from scaledmm.layers.nvfp4 import NvFp4Linear, _all_rows_amax
 from scaledmm.layers._state import checkpoint_entries
 from scaledmm.layers.rows import as_rows
 
@@ -486,7 +486,7 @@ class RowParallelLinear(_ParallelLinear):
             per_token = True
         else:
             finite = torch.where(torch.isfinite(ax), ax, 0.0).reshape(-1)
-            amax = self._global_max(torch.cat([finite, finite.new_zeros(1)]).amax().reshape(1))
+            amax = self._global_max(F.pad(finite, (0, 1)).amax().reshape(1))
             scale = torch.clamp(amax, min=fp8_ops.AMAX_FLOOR) / amax.new_full((), fp8_ops.FP8_MAX)
             per_token = False
         out = torch.ops.scaledmm.fp8_linear(x2, inner.weight, inner.weight_scale, scale, per_token, None,
@@ -499,7 +499,7 @@ class RowParallelLinear(_ParallelLinear):
         if inner._k_pad != inner.in_features:
             x2 = F.pad(x2, (0, inner._k_pad - inner.in_features))
         finite = x2.float().abs().nan_to_num(nan=0.0, posinf=0.0)
-        amax = self._global_max(torch.cat([finite.amax(dim=1), inner._amax_floor]).amax().reshape(1))
+        amax = self._global_max(torch.maximum(_all_rows_amax(finite), inner._amax_floor))
         gs = inner._range / amax
         alpha = inner._weight_alpha / gs
         q, s = torch.ops.scaledmm.nvfp4_quant(x2, gs, True)
