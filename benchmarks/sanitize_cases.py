@@ -432,7 +432,7 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool):
     if w4a16:
         x = ctx.randn(m, k, dtype=torch.bfloat16)
         walpha = (1.0 / gb).float()
-        x_d, wa_d = ctx.strided(x), walpha.to(ctx.dev)
+        x_d, wa_d = ctx.strided(wg.permute_k(x)), walpha.to(ctx.dev)  # the kernel's K order
         need_backend("nvfp4", "cuda_wgmma", nv.w4a16_problem(x_d, qb_d, torch.bfloat16, None))
         cfg = wg.WgmmaConfig(64, 1, 4, 1)
         first, out = ctx.twice(lambda: wg.launch(x_d, qb_d, sb_d, wa_d, None, nv.mm_output(x_d, qb_d, torch.bfloat16),
@@ -444,7 +444,7 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool):
     a_d, sa_d, al_d = qa.to(ctx.dev), sa.to(ctx.dev), alpha.to(ctx.dev)
     need_backend("nvfp4", "cuda_wgmma", nv.mm_problem(a_d, qb_d, torch.bfloat16, None))
     cfg = wg.WgmmaConfig(64, 2, 4, 2)
-    first, out = ctx.twice(lambda: wg.launch(nt.dequant(a_d, sa_d, torch.float16), qb_d, sb_d, al_d, None,
+    first, out = ctx.twice(lambda: wg.launch(nt.dequant(a_d, sa_d, torch.float16, permute_k=True), qb_d, sb_d, al_d, None,
                                              nv.mm_output(a_d, qb_d, torch.bfloat16), cfg))
     ref = (nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t()) * float(alpha)
     return close(out, ref, 1e-2, first)

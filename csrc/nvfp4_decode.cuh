@@ -220,6 +220,37 @@ __host__ __device__ __forceinline__ void decode8(u32 w, u32 s2, u32* r) {
   r[3] = hmul2(funnelshift_r(xo, xo, 3) & F16_FIELDS, s2);
 }
 
+// a * b + (-0) on bf16x2 (= the product, one rounding, subnormal inputs kept).
+__host__ __device__ __forceinline__ u32 bf16_mul2(u32 a, u32 b) {
+#ifdef __CUDA_ARCH__
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+#else
+  // the fp32 product of two bf16 is exact here (decoded weight x scale): one rounding
+  const u16 lo = host::f32_to_bf16(host::bits_f32(a << 16) * host::bits_f32(b << 16));
+  const u16 hi = host::f32_to_bf16(host::bits_f32(a & 0xFFFF0000u) * host::bits_f32(b & 0xFFFF0000u));
+  return lo | ((u32)hi << 16);
+#endif
+}
+// decode8 for bf16 operands: r[j] = {lo: code j, hi: code j + 4} * s2 with
+// s2 = [s 2^119 : s 2^119], i.e. e2m1 * s * 2^-7.  The bf16 pattern
+// sign << 15 | mag << 6 is e2m1 * 2^-126 (0.5: bf16's subnormal 2^-127), so
+// code j's magnitude goes to bits 6..8 (22..24 for code j + 4) and its sign 9
+// bits above.  rotl(w, 6) parks every sign 6 bits up: codes 0, 1, 4, 5 with
+// their parked signs (xa) and codes 2, 3, 6, 7 (xb) leave each other's
+// fields alone, and one rotation per register places magnitude and sign
+// (codes 6 and 7's signs wrap around).  15 instructions per 8 values.
+constexpr u32 BF16_FIELDS = 0x81C081C0u;  // sign + 3 magnitude bits of both halves
+__host__ __device__ __forceinline__ void decode8_bf16(u32 w, u32 s2, u32* r) {
+  const u32 rot = funnelshift_l(w, w, 6);
+  const u32 xa = select_bits<0x22002200u>(w, rot);  // codes 0, 1, 4, 5; signs at bits 9, 13, 25, 29
+  const u32 xb = select_bits<0x00220022u>(w, rot);  // codes 2, 3, 6, 7; signs at bits 17, 21, 1, 5
+  r[0] = bf16_mul2(funnelshift_l(xa, xa, 6) & BF16_FIELDS, s2);
+  r[1] = bf16_mul2(funnelshift_l(xa, xa, 2) & BF16_FIELDS, s2);
+  r[2] = bf16_mul2(funnelshift_r(xb, xb, 2) & BF16_FIELDS, s2);
+  r[3] = bf16_mul2(funnelshift_r(xb, xb, 6) & BF16_FIELDS, s2);
+}
 // [s : s] pairs of a unit's two blocks: words 0-1 of a chunk use the low scale.
 __host__ __device__ __forceinline__ void scale_pairs(u32 two, u32& lo, u32& hi) {
   const u32 d = e4m3x2_to_f16x2(two);

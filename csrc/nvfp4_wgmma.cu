@@ -5,7 +5,8 @@
 //     out[m, n] = alpha * sum_k x[m, k] * deq(b)[n, k] (+ bias[n])
 //
 // x is the W4A16 activation (fp16 / bf16), or for W4A4 the activation decoded
-// once to fp16 by the caller (exact: e2m1 x e4m3 fits fp16).  b: packed e2m1
+// once to fp16 by the caller (exact: e2m1 x e4m3 fits fp16), in both cases
+// with K permuted inside every 64 (see "A fragment" below).  b: packed e2m1
 // [N, K / 2] (element 2i in the low nibble of byte i); its e4m3 block scales
 // in the swizzled layout (128-row x 4-column atoms of 512 bytes).  Compiled at
 // run time with NVRTC; one cubin per (N, K, config):
@@ -33,17 +34,18 @@
 //    full barrier (expect_tx) and an empty one (one arrival per consumer
 //    warp, once the MMAs that read the slot have retired).  No CTA-wide
 //    barrier in the main loop.
-//  * A fragment (m16n8k16 layout per warp): thread (g, t) needs codes
-//    {2t, 2t + 1} and {2t + 8, 2t + 9} of each 16-K group of rows g, g + 8,
-//    i.e. byte t of each 4-byte word of the row.  It reads the row's 32 bytes
-//    (the 4 threads of a quad read the same addresses: a broadcast), gathers
-//    its bytes with prmt, and turns each byte into one 2 x 16-bit register:
-//    fp16: (sign, magnitude) bits placed as e2m1 * 2^-14, times the fp16
-//    scale (exact, subnormals kept: mul.rn.f16x2 has no flush); bf16: placed
-//    as e2m1 * 2^-126 and one fma.rn.bf16x2 by s * 2^119 (exact; bf16
-//    arithmetic keeps subnormal inputs, checked by the GPU tests).  The power
-//    of two goes back in the epilogue.  The 16-K scale group is one k16 MMA:
-//    the scale is applied in the decode, never after the MMA.
+//  * A fragment (m16n8k16 layout per warp): thread (g, t) holds 4 k values
+//    of rows g, g + 8 in each k16 group.  Which stage k they are is free as
+//    long as the activation (B) has the same order, so the thread takes its
+//    own contiguous 8 bytes of each row (one 16-K scale group: one scale per
+//    row and stage) and decodes each 4-byte word into four 2 x 16-bit
+//    registers {k j, k j + 4} (nvfp4_decode.cuh: decode8 for fp16, e2m1 *
+//    2^-14 times the fp16 scale; decode8_bf16 for bf16, e2m1 * 2^-126 times
+//    s * 2^119; 15 instructions per 8 values, exact, subnormals kept: the
+//    GPU tests check every code x scale bit for bit).  The caller permutes
+//    the activation's K within every 64 to match (``permute_k``: fragment k
+//    16j + 8h + 2t + e is stage k 16t + 8h + j + 4e).  The power of two goes
+//    back in the epilogue.
 //  * Two A register sets: stage i + 1 is decoded while the wgmmas of stage i
 //    run; wgmma.wait_group 1 keeps one stage of MMAs in flight.
 //  * Epilogue from the accumulators: alpha * 2^P * acc (+ bias), one
@@ -108,6 +110,9 @@ constexpr int THREADS = 128 * WGS;     // consumer threads
 // + the producer warp.  (Warps are pinned to SM quadrants: nine warps put
 // three on one, which caps every thread at 168 registers: no 256-row tile.)
 constexpr int THREADS_ALL = THREADS + 32;
+// Two CTAs per SM where the accumulators leave room (the register cap
+// keeps ptxas from spending it on the unrolled ring).
+constexpr int MIN_CTAS = BT <= 64 ? 2 : 1;
 static_assert(THREADS_ALL % 32 == 0, "whole warps");
 constexpr int KB = 64;              // K per stage: one 128-byte swizzle row of 16-bit activation
 constexpr int NKB = K / KB;
@@ -127,7 +132,7 @@ constexpr float DECODE_POW = W_ACT == 2 ? 128.0f : 16384.0f;
 static_assert(K % KB == 0, "K must be a multiple of 64");
 static_assert(BT == 32 || BT == 64 || BT == 128, "W_BT must be 32, 64 or 128");
 static_assert(WGS == 1 || WGS == 2, "W_WG must be 1 or 2");
-static_assert(STAGES >= 4 && STAGES <= 8, "W_ST must be 4..8");
+static_assert(STAGES >= 4 && STAGES <= 8 && STAGES % 2 == 0, "W_ST must be 4, 6 or 8");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "W_SPLIT must be 1, 2 or 4");
 
 // A CUtensorMap, passed by value (__grid_constant__) and read by the TMA unit.
@@ -142,14 +147,6 @@ __device__ __forceinline__ void tma_2d(u32 dst, const TmaMap* map, int c0, int c
           dst),
       "l"(map), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
-}
-
-__device__ __forceinline__ V4 lds128(u32 addr) {
-  V4 r;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3])
-               : "r"(addr));
-  return r;
 }
 
 __device__ __forceinline__ u32 lds32(u32 addr) {
@@ -225,88 +222,73 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
-// Scale multipliers of the four 16-K groups of a stage for one row, from the
-// row's scale word (4 e4m3): fp16 [s : s], or bf16 [s 2^119 : s 2^119].
-__device__ __forceinline__ void scale_regs(u32 word, u32 (&s)[4]) {
-  const u32 lo = e4m3x2_to_f16x2(word & 0xFFFFu), hi = e4m3x2_to_f16x2(word >> 16);
+// The scale multiplier of one row's 16-K group from its e4m3 byte: fp16
+// [s : s], or bf16 [s 2^119 : s 2^119] (exact: 4 significant bits).
+__device__ __forceinline__ u32 scale_reg(u32 byte) {
+  const u32 h2 = e4m3x2_to_f16x2(byte | (byte << 8));
 #if W_ACT == 2
-  const u32 h[4] = {lo & 0xFFFFu, lo >> 16, hi & 0xFFFFu, hi >> 16};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float f = f16_to_f32((u16)h[j]) * 6.6461399789245794e35f;  // 2^119, exact
-    asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(s[j]) : "f"(f));
-  }
+  const float f = f16_to_f32((u16)h2) * 6.6461399789245794e35f;  // 2^119, exact
+  u32 s;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(s) : "f"(f));
+  return s;
 #else
-  s[0] = byte_perm(lo, 0, 0x1010);
-  s[1] = byte_perm(lo, 0, 0x3232);
-  s[2] = byte_perm(hi, 0, 0x1010);
-  s[3] = byte_perm(hi, 0, 0x3232);
+  return h2;
 #endif
 }
 
-// Byte b of a gathered word (lo: wl = its low nibbles moved to bits 4..7 of
-// each byte, hi: wh = its high nibbles in place) as the 16-bit pair
-// {low code, high code} times the scale pair s2.  After the prmt the low
-// code sits in bits 12..15 and the high one in 28..31: the signs are in
-// place, the magnitudes move down to the 16-bit format's exponent / mantissa
-// boundary (fp16: 3, bf16: 6).
-__device__ __forceinline__ u32 decode_byte(u32 wl, u32 wh, int b, u32 s2) {
-  const u32 y = byte_perm(wl, wh, ((4u + b) << 12) | ((u32)b << 8) | ((u32)b << 4) | (u32)b);
+__device__ __forceinline__ void decode_word(u32 w, u32 s2, u32 (&r)[4]) {
 #if W_ACT == 2
-  const u32 r = select_bits<0x80008000u>((y >> 6) & 0x01C001C0u, y);
-  u32 d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(r), "r"(s2), "r"(0x80008000u));
-  return d;
+  decode8_bf16(w, s2, r);
 #else
-  return hmul2(select_bits<0x80008000u>((y >> 3) & 0x0E000E00u, y), s2);
+  decode8(w, s2, r);
 #endif
+}
+
+__device__ __forceinline__ uint2 lds64(u32 addr) {
+  uint2 r;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "r"(addr));
+  return r;
 }
 
 // The A fragments of one stage (four k16 groups) for a thread's rows g and
-// g + 8 of its warp: a[j] = {row g k 2t.., row g+8 k 2t.., row g k 2t+8..,
-// row g+8 k 2t+8..} of group j.
+// g + 8 of its warp.  Thread t of a quad decodes the 8 bytes (16 codes, one
+// scale group) 8t .. 8t + 7 of each row's 32: words 0 and 1, each as four
+// registers in decode8's order {k 8h + j, k 8h + j + 4} (h the word).  They
+// fill the fragment as a[j] = {row g word 0 reg j, row g + 8 word 0 reg j,
+// row g word 1 reg j, row g + 8 word 1 reg j}: fragment k 16j + 8h + 2t + e
+// holds stage k 16t + 8h + j + 4e, and the activation comes in that order
+// (ops/nvfp4_wgmma.py, ``permute_k``).  w_row*: the thread's 8 bytes of the
+// row; s_row*: the row's 4 scale bytes; sel: byte t of them.
 __device__ __forceinline__ void decode_stage(u32 w_row0, u32 w_row1, u32 s_row0, u32 s_row1, u32 sel,
                                              u32 (&a)[4][4]) {
-  u32 gw[2][2];  // [row][half]: bytes t of words 4h .. 4h + 3
-  u32 sc[2][4];
   const u32 rows[2] = {w_row0, w_row1};
   const u32 srows[2] = {s_row0, s_row1};
-  if (W_PROFILE == 1) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const V4 h0 = lds128(rows[r]), h1 = lds128(rows[r] ^ 16u);
+  for (int r = 0; r < 2; ++r) {
+    const uint2 w = lds64(rows[r]);
+    if (W_PROFILE == 1) {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        a[q][r] = h0.v[q];
-        a[q][2 + r] = h1.v[q];
+      for (int j = 0; j < 4; ++j) {
+        a[j][r] = w.x;
+        a[j][2 + r] = w.y;
       }
+      continue;
     }
-    return;
-  }
+    const u32 s2 = scale_reg(byte_perm(lds32(srows[r]), 0, sel));
+    u32 d0[4], d1[4];
+    decode_word(w.x, s2, d0);
+    decode_word(w.y, s2, d1);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    // the row's two 16-byte halves; which slot holds which is the writer's swizzle
-    const V4 h0 = lds128(rows[r]);
-    const V4 h1 = lds128(rows[r] ^ 16u);
-    gw[r][0] = byte_perm(byte_perm(h0.v[0], h0.v[1], sel), byte_perm(h0.v[2], h0.v[3], sel), 0x5410);
-    gw[r][1] = byte_perm(byte_perm(h1.v[0], h1.v[1], sel), byte_perm(h1.v[2], h1.v[3], sel), 0x5410);
-    scale_regs(lds32(srows[r]), sc[r]);
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const u32 wl = (gw[r][h] << 4) & 0xF0F0F0F0u, wh = gw[r][h] & 0xF0F0F0F0u;
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {  // group j = 2h + q: bytes 2q (k 2t..) and 2q + 1 (k 2t + 8..)
-        a[2 * h + q][r] = decode_byte(wl, wh, 2 * q, sc[r][2 * h + q]);
-        a[2 * h + q][2 + r] = decode_byte(wl, wh, 2 * q + 1, sc[r][2 * h + q]);
-      }
+    for (int j = 0; j < 4; ++j) {
+      a[j][r] = d0[j];
+      a[j][2 + r] = d1[j];
     }
   }
 }
 
-__device__ __forceinline__ void mma_stage(float (&acc)[ACC], const u32 (&a)[4][4], u32 x_tile) {
+// x_desc: the descriptor of the stage's activation tile; +2 per k16 group
+// (32 bytes; addresses stay below 2^18, so the 14-bit field never carries).
+__device__ __forceinline__ void mma_stage(float (&acc)[ACC], const u32 (&a)[4][4], u64 x_desc) {
   if (W_PROFILE == 2) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" ::"r"(a[j][0]), "r"(a[j][1]), "r"(a[j][2]), "r"(a[j][3]));
@@ -314,7 +296,7 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], const u32 (&a)[4][4
   }
   wgmma_fence();
 #pragma unroll
-  for (int j = 0; j < 4; ++j) wgmma_rs(acc, a[j], smem_desc(x_tile + 32 * j));
+  for (int j = 0; j < 4; ++j) wgmma_rs(acc, a[j], x_desc + 2 * j);
   wgmma_commit();
 }
 
@@ -332,7 +314,7 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], const u32 (&a)[4][4
 // packed weight [N, K / 2] (bytes, box 32 x BN, 32-byte swizzle); both
 // zero-fill rows past m / N; tmap_s: the swizzled scales as rows of 256 bytes
 // (box 256 x 2: one 512-byte atom).  out: [m, N] contiguous.
-extern "C" __global__ void W_CLUSTER __launch_bounds__(wg::THREADS_ALL, 1)
+extern "C" __global__ void W_CLUSTER __launch_bounds__(wg::THREADS_ALL, wg::MIN_CTAS)
 nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ wg::TmaMap tmap_w,
             const __grid_constant__ wg::TmaMap tmap_s, const float* __restrict__ alpha_ptr,
             const void* __restrict__ bias, unsigned short* __restrict__ out, int m) {
@@ -388,32 +370,41 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
     const int warp = (tid >> 5) & 3;
     // this thread's weight rows (CTA-local) and their addresses inside a stage
     const int r0 = wgi * 64 + warp * 16 + g, r1 = r0 + 8;
-    const u32 w_off0 = X_BYTES + r0 * 32 + ((((u32)r0 >> 2) & 1u) << 4);
-    const u32 w_off1 = X_BYTES + r1 * 32 + ((((u32)r1 >> 2) & 1u) << 4);
+    // bytes 8 t4 .. 8 t4 + 7 of the row: 16-byte half t4 / 2, which the
+    // 32-byte swizzle swaps on every other group of four rows
+    const u32 w_off0 = X_BYTES + r0 * 32 + (((((u32)r0 >> 2) & 1u) ^ ((u32)t4 >> 1)) << 4) + (((u32)t4 & 1u) << 3);
+    const u32 w_off1 = X_BYTES + r1 * 32 + (((((u32)r1 >> 2) & 1u) ^ ((u32)t4 >> 1)) << 4) + (((u32)t4 & 1u) << 3);
     const int ar0 = (n0 + r0) & 127, ar1 = (n0 + r1) & 127;
     const u32 s_off0 = X_BYTES + W_BYTES + ((ar0 & 31) << 4) + ((ar0 >> 5) << 2);
     const u32 s_off1 = X_BYTES + W_BYTES + ((ar1 & 31) << 4) + ((ar1 >> 5) << 2);
-    const u32 sel = (u32)t4 | ((u32)(t4 + 4) << 4) | ((u32)t4 << 8) | ((u32)(t4 + 4) << 12);
+    const u32 sel = (u32)t4 | ((u32)t4 << 4);  // scale byte t4, twice
 
+    // Two stages per iteration (the two A register sets); the ring slot and
+    // its phase are running values (no division by STAGES per stage).
+    const u32 w0 = smem0 + w_off0, w1 = smem0 + w_off1, s0 = smem0 + s_off0, s1 = smem0 + s_off1;
+    const u64 desc0 = smem_desc(smem0);
     u32 a0[4][4], a1[4][4];
+    u32 slot = 0, phase = 0, prev = STAGES - 1;
     for (int it = 0; it < nk; it += 2) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int i = it + half;
         if (i < nk) {
-          const int slot = i % STAGES;
-          mbar_wait(bars + 8 * slot, (i / STAGES) & 1);
-          const u32 base = smem0 + slot * STAGE_BYTES;
+          const u32 off = slot * STAGE_BYTES;
+          mbar_wait(bars + 8 * slot, phase);
           if (half == 0) {
-            decode_stage(base + w_off0, base + w_off1, base + s_off0, base + s_off1, sel, a0);
-            mma_stage(acc, a0, base);
+            decode_stage(w0 + off, w1 + off, s0 + off, s1 + off, sel, a0);
+            mma_stage(acc, a0, desc0 + (off >> 4));
           } else {
-            decode_stage(base + w_off0, base + w_off1, base + s_off0, base + s_off1, sel, a1);
-            mma_stage(acc, a1, base);
+            decode_stage(w0 + off, w1 + off, s0 + off, s1 + off, sel, a1);
+            mma_stage(acc, a1, desc0 + (off >> 4));
           }
           wgmma_wait<1>();  // the MMAs of stage i - 1 are done: its slot is free
           __syncwarp();
-          if (i > 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + (i - 1) % STAGES));
+          if (i > 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));
+          prev = slot;
+          slot = slot + 1 == STAGES ? 0 : slot + 1;
+          phase ^= slot == 0;
         }
       }
     }

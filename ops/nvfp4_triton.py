@@ -627,10 +627,12 @@ def _epilogue(acc, out_ptr, o_off, o_mask, rn, N, bias_ptr, alpha_ptr, fold, HAS
 
 @triton.jit(do_not_specialize=["M"])
 def _dequant_kernel(q_ptr, s_ptr, out_ptr, factor_ptr, M, K, stride_qm, s_c4,
-                    HAS_FACTOR: tl.constexpr, HW_FP8: tl.constexpr,
+                    HAS_FACTOR: tl.constexpr, HW_FP8: tl.constexpr, PERMUTE_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """``[factor *] deq(q)`` in ``out_ptr``'s dtype (the predecode paths):
-    exact fp32 decode, one multiply, one rounding."""
+    exact fp32 decode, one multiply, one rounding.  PERMUTE_K: column
+    ``16 t + 8 h + 4 e + j`` of every 64 is stored at ``16 j + 8 h + 2 t + e``
+    (``nvfp4_wgmma.permute_k``'s order)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kt = tl.program_id(1)
     x = _load_fp4_tile(q_ptr, s_ptr, rows, M, stride_qm, K // 2, s_c4, kt, BLOCK_M, BLOCK_K, False,
@@ -638,7 +640,11 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, factor_ptr, M, K, stride_qm, s_c4,
     if HAS_FACTOR:
         x = x * tl.load(factor_ptr).to(tl.float32)
     rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], x.to(out_ptr.dtype.element_ty),
+    col = rk
+    if PERMUTE_K:
+        c = rk % 64
+        col = rk - c + ((c & 3) << 4) + (c & 8) + ((c >> 4) << 1) + ((c >> 2) & 1)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + col[None, :], x.to(out_ptr.dtype.element_ty),
              mask=(rows < M)[:, None] & (rk < K)[None, :])
 
 
@@ -646,17 +652,21 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 
 
 def dequant(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float16,
-            factor: torch.Tensor | None = None) -> torch.Tensor:
+            factor: torch.Tensor | None = None, permute_k: bool = False) -> torch.Tensor:
     """``[R, K]`` values ``factor * e2m1 * s`` in ``dtype`` (one rounding; exact
-    without ``factor`` for fp16/bf16/fp32) of packed ``q`` with swizzled ``s``."""
+    without ``factor`` for fp16/bf16/fp32) of packed ``q`` with swizzled ``s``;
+    with ``permute_k`` (K % 64 == 0) in the K order of
+    :func:`scaledmm.ops.nvfp4_wgmma.permute_k`."""
     rows, k = q.shape[0], 2 * q.shape[1]
+    if permute_k and k % 64:
+        raise ValueError(f"permute_k: expected K % 64 == 0, got K = {k}")
     out = torch.empty((rows, k), dtype=dtype, device=q.device)
     if rows == 0:
         return out
     bm, bk = 32, 256
     _dequant_kernel[(triton.cdiv(rows, bm), triton.cdiv(k, bk))](
         q, s.view(torch.uint8), out, factor if factor is not None else out, rows, k, q.stride(0),
-        s.shape[1] // 4, HAS_FACTOR=factor is not None, HW_FP8=_hw_e4m3(q.device),
+        s.shape[1] // 4, HAS_FACTOR=factor is not None, HW_FP8=_hw_e4m3(q.device), PERMUTE_K=permute_k,
         BLOCK_M=bm, BLOCK_K=bk, num_warps=4)
     return out
 

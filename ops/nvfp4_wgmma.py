@@ -6,13 +6,17 @@ launched on torch's current stream.
 
 The FP4 weight is decoded in registers (exact: an e2m1 code times its e4m3
 scale fits fp16 and bf16) and fed to ``wgmma`` as the register operand; the
-16-bit activation is the shared-memory operand, copied with ``cp.async`` a few
-64-wide K stages ahead.  Weight rows are the MMA's M side (64 per warpgroup),
-activation rows its N side (32-256 per CTA), so one kernel serves M from a
-few tens to thousands.  W4A4 decodes the activation once per call to fp16
-(exact, :func:`scaledmm.ops.nvfp4_triton.dequant`) and runs the same kernel.
-Split K over the CTAs of a cluster (DSMEM, rank order): deterministic, no
-workspace, CUDA-graph safe.  See the .cu file's header for the design.
+16-bit activation is the shared-memory operand, brought by TMA a few 64-wide
+K stages ahead.  Weight rows are the MMA's M side (64 per warpgroup),
+activation rows its N side (32-128 per CTA), so one kernel serves M from a
+few tens to thousands.  Each thread decodes contiguous weight bytes; the
+activation's K runs in the matching order inside every 64 (:func:`permute_k`,
+a copy per call for W4A16).  W4A4 decodes the activation once per call to
+fp16, exactly and already in that order
+(:func:`scaledmm.ops.nvfp4_triton.dequant` with ``permute_k``), and runs the
+same kernel.  Split K over the CTAs of a cluster (DSMEM, rank order):
+deterministic, no workspace, CUDA-graph safe.  See the .cu file's header for
+the design.
 
 Read top to bottom: capability checks, the config space (frozen dataclass,
 one validity predicate :func:`config_valid`, :func:`choose_config` from the
@@ -106,7 +110,7 @@ class WgmmaConfig:
     warpgroups : int
         Consumer warpgroups (1 or 2); the CTA owns ``64 * warpgroups`` weight rows.
     stages : int
-        TMA ring stages of 64 K (4-8); the producer runs up to ``stages - 1`` ahead.
+        TMA ring stages of 64 K (4, 6 or 8); the producer runs up to ``stages - 1`` ahead.
     split_k : int
         CTAs per cluster splitting K (1, 2, 4); partial tiles added through DSMEM.
     """
@@ -165,8 +169,8 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
         return False, f"tile_m must be one of {TILES}, got {cfg.tile_m}"
     if cfg.warpgroups not in (1, 2):
         return False, f"warpgroups must be 1 or 2, got {cfg.warpgroups}"
-    if not 4 <= cfg.stages <= 8:
-        return False, f"stages must be 4..8, got {cfg.stages}"
+    if cfg.stages not in (4, 6, 8):
+        return False, f"stages must be 4, 6 or 8 (the ring is unrolled in pairs), got {cfg.stages}"
     if cfg.split_k not in (1, 2, 4):
         return False, f"split_k must be 1, 2 or 4, got {cfg.split_k}"
     if (cfg.split_k - 1) * -(-(k // K_MULTIPLE) // cfg.split_k) >= k // K_MULTIPLE:
@@ -266,8 +270,9 @@ def launch(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torc
            bias: torch.Tensor | None, out: torch.Tensor, cfg: WgmmaConfig | None = None) -> torch.Tensor:
     """Run the kernel into ``out`` ([M, N], contiguous) on the current stream.
 
-    ``x`` a 16-bit activation [M, K] (rows 16-byte aligned), ``b`` packed
-    e2m1 [N, K / 2] with swizzled ``b_scales``; validated arguments, M >= 1.
+    ``x`` a 16-bit activation [M, K] (rows 16-byte aligned) in
+    :func:`permute_k` order, ``b`` packed e2m1 [N, K / 2] with swizzled
+    ``b_scales``; validated arguments, M >= 1.
     """
     m = x.shape[0]
     n, k = b.shape[0], 2 * b.shape[1]
@@ -287,14 +292,29 @@ def launch(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torc
     return out
 
 
+def permute_k(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] (K % 64 == 0, unit column stride) with K reordered inside
+    every 64 the way the kernel's weight decode meets it: column ``16 j + 8 h
+    + 2 t + e`` of a 64 takes column ``16 t + 8 h + 4 e + j`` (t, j < 4; h, e
+    < 2).  A fresh contiguous tensor (a temporary of the call).
+
+    Examples
+    --------
+    >>> permute_k(torch.arange(64.0).reshape(1, 64))[0, :8].tolist()
+    [0.0, 4.0, 16.0, 20.0, 32.0, 36.0, 48.0, 52.0]
+    """
+    m, k = x.shape
+    return x.view(m, k // 64, 4, 2, 2, 4).permute(0, 1, 5, 3, 2, 4).reshape(m, k)
+
+
 def _launch_w4a4(a, b, a_scales, b_scales, alpha, bias, out, cfg):
     from scaledmm.ops import nvfp4_triton as nt
 
-    return launch(nt.dequant(a, a_scales, W4A4_ACT), b, b_scales, alpha, bias, out, cfg)
+    return launch(nt.dequant(a, a_scales, W4A4_ACT, permute_k=True), b, b_scales, alpha, bias, out, cfg)
 
 
 def _launch_w4a16(x, b, _unused, b_scales, alpha, bias, out, cfg):
-    return launch(x, b, b_scales, alpha, bias, out, cfg)
+    return launch(permute_k(x), b, b_scales, alpha, bias, out, cfg)
 
 
 def wgmma_mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None, cfg: WgmmaConfig | None = None):

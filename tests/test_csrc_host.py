@@ -94,10 +94,10 @@ def _scale_pair(byte: np.ndarray) -> np.ndarray:
     return h | (h << 16)
 
 
-def _check_decoded(regs: np.ndarray, words: np.ndarray, scales: np.ndarray, dtype=np.float16):
-    """regs [n, 4]: register j = {lo: code j, hi: code j + 4} * scale * 2^-14."""
+def _check_decoded(regs: np.ndarray, words: np.ndarray, scales: np.ndarray, dtype=np.float16, pow2=-14):
+    """regs [n, 4]: register j = {lo: code j, hi: code j + 4} * scale * 2^pow2."""
     codes = (words[:, None] >> (4 * np.arange(8))) & 15
-    want = e2m1_value(codes) * e4m3_value(scales)[:, None] * 2.0 ** -14
+    want = e2m1_value(codes) * e4m3_value(scales)[:, None] * 2.0 ** pow2
     for j in range(4):
         lo, hi = halves(regs[:, j], dtype)
         assert same(lo, want[:, j]), j
@@ -117,6 +117,26 @@ def test_decode8_every_code_in_every_nibble_with_every_scale(dec):
     words = np.concatenate([rng.integers(0, 2 ** 32, 50000), [0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x88888888, 0]])
     scales = rng.integers(0, 256, len(words))
     _check_decoded(dec("decode8", np.stack([words, _scale_pair(scales)], 1)), words, scales)
+
+
+def _bf16_scale_pair(byte: np.ndarray) -> np.ndarray:
+    """[s 2^119 : s 2^119] bf16x2 of e4m3 bytes (exact: 4 significant bits; NaN as 0x7FC0)."""
+    v = e4m3_value(byte) * 2.0 ** 119
+    h = np.where(np.isnan(v), 0x7FC0, (np.nan_to_num(v).astype(np.float32).view(np.uint32) >> 16))
+    assert (np.nan_to_num(v) == (h.astype(np.uint32) << 16).view(np.float32))[~np.isnan(v)].all()
+    return h | (h << 16)
+
+
+def test_decode8_bf16_every_code_in_every_nibble_with_every_scale(dec):
+    """The bf16 decoder (decode8's order): e2m1 * s * 2^-7, bit-exact, subnormal 0.5 * 2^-126 kept."""
+    byte = np.arange(256)
+    words = np.repeat(byte * 0x01010101, 256)
+    scales = np.tile(byte, 256)
+    _check_decoded(dec("decode8_bf16", np.stack([words, _bf16_scale_pair(scales)], 1)), words, scales, "bf16", -7)
+    rng = np.random.default_rng()
+    words = np.concatenate([rng.integers(0, 2 ** 32, 50000), [0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x88888888, 0]])
+    scales = rng.integers(0, 256, len(words))
+    _check_decoded(dec("decode8_bf16", np.stack([words, _bf16_scale_pair(scales)], 1)), words, scales, "bf16", -7)
 
 
 @pytest.mark.parametrize("op,dtype", [("weight_word_f16", np.float16), ("weight_word_bf16", "bf16")])

@@ -117,6 +117,22 @@ def test_predecode_w_paths(out_dtype, m):
     assert rel_err(wd, decode(qb, sb) * 3.7e-4) < 1e-6
 
 
+@interp
+@pytest.mark.parametrize("m", [0, 3, 33])
+def test_dequant_permute_k_is_the_wgmma_order(m):
+    """The W4A4 activation decode of ``cuda_wgmma``: the exact fp16 decode,
+    with K in ``nvfp4_wgmma.permute_k``'s order (K = 320: a partial 256-wide
+    program tile)."""
+    from scaledmm.ops import nvfp4_wgmma as wg
+
+    qa, sa = quantized(m, 320, "cpu", scale=3.0, gs=10.0)
+    plain = nt.dequant(qa, sa, torch.float16)
+    assert torch.equal(plain.double(), decode(qa, sa))
+    assert torch.equal(nt.dequant(qa, sa, torch.float16, permute_k=True), wg.permute_k(plain))
+    with pytest.raises(ValueError, match="K % 64"):
+        nt.dequant(*quantized(2, 96, "cpu"), torch.float16, permute_k=True)
+
+
 def test_predecode_w_only_for_16_bit_outputs():
     cfg = nt.GemmConfig(128, 256, 64, predecode_w=True, decode="triton")
     assert nt.config_ok(cfg, triton_problem(4096))[0]

@@ -74,6 +74,7 @@ def test_kernel_rejects_bad_defines():
     (wg.WgmmaConfig(tile_m=48), 64, 128, "tile_m"),
     (wg.WgmmaConfig(warpgroups=3), 64, 128, "warpgroups"),
     (wg.WgmmaConfig(stages=3), 64, 128, "stages"),
+    (wg.WgmmaConfig(stages=5), 64, 128, "in pairs"),
     (wg.WgmmaConfig(split_k=8), 64, 4096, "split_k"),
     (wg.WgmmaConfig(split_k=4), 64, 192, "without any"),
     (wg.WgmmaConfig(), 64, 96, "multiple of 64"),
@@ -170,7 +171,7 @@ def test_explicit_request_on_cpu_explains():
 def _run(a, b, sa, sb, alpha, out_dtype=BF16, bias=None, cfg=None):
     torch.full((a.shape[0] * b.shape[0] + 1024,), float("nan"), device="cuda")  # NaN in the allocator
     if cfg is not None:
-        x = a if a.dtype != U8 else nt.dequant(a, sa, F16)
+        x = wg.permute_k(a) if a.dtype != U8 else nt.dequant(a, sa, F16, permute_k=True)
         return wg.launch(x, b, sb, alpha, bias, poison_(nv.mm_output(a, b, out_dtype)), cfg)
     with scaledmm.use_backend("nvfp4", wg.NAME):
         if a.dtype == U8:

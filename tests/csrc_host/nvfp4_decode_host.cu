@@ -12,6 +12,12 @@ static void op_decode8(const word* in, std::vector<word>& out) {  // (w, s2) -> 
   out.insert(out.end(), r, r + 4);
 }
 
+static void op_decode8_bf16(const word* in, std::vector<word>& out) {  // (w, s2) -> r[4]
+  u32 r[4];
+  decode8_bf16(in[0], in[1], r);
+  out.insert(out.end(), r, r + 4);
+}
+
 static void op_scale_pairs(const word* in, std::vector<word>& out) {  // two -> (lo, hi)
   u32 lo, hi;
   scale_pairs(in[0], lo, hi);
@@ -57,6 +63,7 @@ static void op_f16x2_to_bf16x2(const word* in, std::vector<word>& out) { out.pus
 int main(int argc, char** argv) {
   static const Op ops[] = {
       {"decode8", 2, op_decode8},
+      {"decode8_bf16", 2, op_decode8_bf16},
       {"scale_pairs", 1, op_scale_pairs},
       {"act_pairs", 4, op_act_pairs},
       {"weight_word_f16", 13, op_weight_word<0>},
