@@ -639,12 +639,12 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, factor_ptr, M, K, stride_qm, s_c4,
                        0, tl.float32, HW_FP8)
     if HAS_FACTOR:
         x = x * tl.load(factor_ptr).to(tl.float32)
+    x = x.to(out_ptr.dtype.element_ty)
+    if PERMUTE_K:  # in registers: the stores stay contiguous (K % 64 == 0, BLOCK_K % 64 == 0)
+        x = tl.reshape(x, (BLOCK_M, BLOCK_K // 64, 4, 2, 2, 4))  # (t, h, e, j) of each 64
+        x = tl.reshape(tl.permute(x, (0, 1, 5, 3, 2, 4)), (BLOCK_M, BLOCK_K))  # (j, h, t, e)
     rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-    col = rk
-    if PERMUTE_K:
-        c = rk % 64
-        col = rk - c + ((c & 3) << 4) + (c & 8) + ((c >> 4) << 1) + ((c >> 2) & 1)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + col[None, :], x.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], x,
              mask=(rows < M)[:, None] & (rk < K)[None, :])
 
 
