@@ -625,6 +625,40 @@ def _epilogue(acc, out_ptr, o_off, o_mask, rn, N, bias_ptr, alpha_ptr, fold, HAS
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit
+def _permute64(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Column 16 t + 8 h + 4 e + j of every 64 of a [BLOCK_M, BLOCK_K] tile
+    moved to 16 j + 8 h + 2 t + e (``nvfp4_wgmma.permute_k``), in registers,
+    so the stores stay contiguous (scattered 2-byte stores cost W4A4 up to
+    2x the kernel's time)."""
+    x = tl.reshape(x, (BLOCK_M, BLOCK_K // 64, 4, 2, 2, 4))  # (t, h, e, j) of each 64
+    return tl.reshape(tl.permute(x, (0, 1, 5, 3, 2, 4)), (BLOCK_M, BLOCK_K))  # (j, h, t, e)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _permute_k_kernel(x_ptr, out_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (rk < K)[None, :]  # whole 64s: K % 64 == 0
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=mask)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], _permute64(x, BLOCK_M, BLOCK_K), mask=mask)
+
+
+def permute_k16(x: torch.Tensor) -> torch.Tensor:
+    """A 16-bit [M, K] activation (K % 64 == 0, unit column stride) in
+    ``nvfp4_wgmma.permute_k``'s K order, one Triton pass (a fresh tensor)."""
+    m, k = x.shape
+    if k % 64 or x.stride(1) != 1:
+        raise ValueError(f"x: expected K % 64 == 0 and unit column stride, got shape {tuple(x.shape)}, "
+                         f"strides {tuple(x.stride())}")
+    out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    if m:
+        bm, bk = 16, 256
+        _permute_k_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](x, out, m, k, x.stride(0),
+                                                                   BLOCK_M=bm, BLOCK_K=bk, num_warps=4)
+    return out
+
+
 @triton.jit(do_not_specialize=["M"])
 def _dequant_kernel(q_ptr, s_ptr, out_ptr, factor_ptr, M, K, stride_qm, s_c4,
                     HAS_FACTOR: tl.constexpr, HW_FP8: tl.constexpr, PERMUTE_K: tl.constexpr,
@@ -640,9 +674,8 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, factor_ptr, M, K, stride_qm, s_c4,
     if HAS_FACTOR:
         x = x * tl.load(factor_ptr).to(tl.float32)
     x = x.to(out_ptr.dtype.element_ty)
-    if PERMUTE_K:  # in registers: the stores stay contiguous (K % 64 == 0, BLOCK_K % 64 == 0)
-        x = tl.reshape(x, (BLOCK_M, BLOCK_K // 64, 4, 2, 2, 4))  # (t, h, e, j) of each 64
-        x = tl.reshape(tl.permute(x, (0, 1, 5, 3, 2, 4)), (BLOCK_M, BLOCK_K))  # (j, h, t, e)
+    if PERMUTE_K:
+        x = _permute64(x, BLOCK_M, BLOCK_K)
     rk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], x,
              mask=(rows < M)[:, None] & (rk < K)[None, :])

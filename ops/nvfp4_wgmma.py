@@ -296,13 +296,18 @@ def permute_k(x: torch.Tensor) -> torch.Tensor:
     """``x`` [M, K] (K % 64 == 0, unit column stride) with K reordered inside
     every 64 the way the kernel's weight decode meets it: column ``16 j + 8 h
     + 2 t + e`` of a 64 takes column ``16 t + 8 h + 4 e + j`` (t, j < 4; h, e
-    < 2).  A fresh contiguous tensor (a temporary of the call).
+    < 2).  A fresh contiguous tensor (a temporary of the call); on a GPU one
+    Triton pass (:func:`scaledmm.ops.nvfp4_triton.permute_k16`).
 
     Examples
     --------
     >>> permute_k(torch.arange(64.0).reshape(1, 64))[0, :8].tolist()
     [0.0, 4.0, 16.0, 20.0, 32.0, 36.0, 48.0, 52.0]
     """
+    if x.is_cuda:
+        from scaledmm.ops import nvfp4_triton as nt
+
+        return nt.permute_k16(x)
     m, k = x.shape
     return x.view(m, k // 64, 4, 2, 2, 4).permute(0, 1, 5, 3, 2, 4).reshape(m, k)
 

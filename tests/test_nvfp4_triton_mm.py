@@ -133,6 +133,23 @@ def test_dequant_permute_k_is_the_wgmma_order(m):
         nt.dequant(*quantized(2, 96, "cpu"), torch.float16, permute_k=True)
 
 
+@interp
+@pytest.mark.parametrize("m", [0, 3, 33])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_permute_k16_is_the_wgmma_order(m, dtype):
+    """``cuda_wgmma``'s W4A16 activation pass: the same values, K in
+    ``permute_k``'s order (checked against torch's view / permute), from
+    strided rows; K = 320: a partial program tile."""
+    from scaledmm.ops import nvfp4_wgmma as wg
+
+    x = torch.randn(m, 384, dtype=dtype)[:, :320]
+    got = nt.permute_k16(x)
+    want = x.reshape(m, 5, 4, 2, 2, 4).permute(0, 1, 5, 3, 2, 4).reshape(m, 320)
+    assert got.is_contiguous() and torch.equal(got, want) and torch.equal(wg.permute_k(x), want)
+    with pytest.raises(ValueError, match="K % 64"):
+        nt.permute_k16(torch.zeros(2, 96, dtype=dtype))
+
+
 def test_predecode_w_only_for_16_bit_outputs():
     cfg = nt.GemmConfig(128, 256, 64, predecode_w=True, decode="triton")
     assert nt.config_ok(cfg, triton_problem(4096))[0]

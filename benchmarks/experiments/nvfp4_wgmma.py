@@ -4,13 +4,14 @@ words into the MMA: loads + MMA), and with the MMA left out (loads +
 decode), at a few (shape, M, config) points, next to bf16 ``F.linear``.
 Cold L2 (weight copies past 2x L2), CUDA-graph replay, medians.
 
-    python -m benchmarks.experiments.nvfp4_wgmma
+    python -m benchmarks.experiments.nvfp4_wgmma [--points 28672x4096:64,4096x4096:64]
 
 Prints one line per point; with ``$OUT`` set, writes ``nvfp4_wgmma.json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -36,11 +37,23 @@ def spec(n, k, cfg, profile):
     return jit.NvrtcKernelSpec(wg.KERNEL, wg.source_path(), arch=wg.ARCH, defines=defines)
 
 
+def _points(spec: str) -> list:
+    out = []
+    for item in spec.split(","):
+        shape, m = item.split(":")
+        n, k = shape.split("x")
+        out.append(((int(n), int(k)), int(m)))
+    return out
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--points", help="comma list of NxK:M (default: the module's POINTS)")
+    args = p.parse_args()
     dev = torch.device("cuda")
     tcfg = timing.TimingConfig.for_device(dev, quick=True)
     rows = []
-    for (n, k), m in POINTS:
+    for (n, k), m in (_points(args.points) if args.points else POINTS):
         copies = timing.copies_for(n * k * 9 // 16, tcfg)
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         one = torch.tensor(1.0, device=dev)
