@@ -417,11 +417,9 @@ def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, rows: int | None = None, backend: str
 
 def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool):
     """cuda_wgmma (csrc/nvfp4_wgmma.cu: TMA ring, producer warp, wgmma): W4A4
-    at M = 100 in two 64-row tiles, clusters of 2 CTAs sharing the activation
-    (multicast) x 2 splitting K, or W4A16 with a strided bf16 activation at
-    M = 40 in two 32-row tiles, the two 128-row weight tiles of N = 200 in a
-    multicast group of 4 (two spare CTAs); rows past M and N arrive as TMA
-    zeros."""
+    at M = 100 in two 64-row tiles with K split over a 2-CTA cluster, or
+    W4A16 with a strided bf16 activation at M = 40 in one 32-row-padded tile
+    (N = 200: a partial weight tile; rows past M and N arrive as TMA zeros)."""
     import torch
 
     from scaledmm.ops import nvfp4 as nv
@@ -436,7 +434,7 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool):
         walpha = (1.0 / gb).float()
         x_d, wa_d = ctx.strided(wg.permute_k(x)), walpha.to(ctx.dev)  # the kernel's K order
         need_backend("nvfp4", "cuda_wgmma", nv.w4a16_problem(x_d, qb_d, torch.bfloat16, None))
-        cfg = wg.WgmmaConfig(32, 2, 4, 1, multicast=4)  # 2 weight tiles in a group of 4: two spare CTAs
+        cfg = wg.WgmmaConfig(64, 1, 4, 1)
         first, out = ctx.twice(lambda: wg.launch(x_d, qb_d, sb_d, wa_d, None, nv.mm_output(x_d, qb_d, torch.bfloat16),
                                                  cfg))
         ref = x.double() @ nv.dequantize(qb, sb).double().t() * float(walpha)
@@ -445,7 +443,7 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool):
     alpha = (1.0 / (ga * gb)).float()
     a_d, sa_d, al_d = qa.to(ctx.dev), sa.to(ctx.dev), alpha.to(ctx.dev)
     need_backend("nvfp4", "cuda_wgmma", nv.mm_problem(a_d, qb_d, torch.bfloat16, None))
-    cfg = wg.WgmmaConfig(64, 1, 4, 2, multicast=2)  # clusters of 2 x 2: multicast and split K
+    cfg = wg.WgmmaConfig(64, 2, 4, 2)
     first, out = ctx.twice(lambda: wg.launch(nt.dequant(a_d, sa_d, torch.float16, permute_k=True), qb_d, sb_d, al_d, None,
                                              nv.mm_output(a_d, qb_d, torch.bfloat16), cfg))
     ref = (nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t()) * float(alpha)

@@ -18,10 +18,6 @@
 //   W_ST         pipeline stages of 64 K (4 .. 8)
 //   W_SPLIT      CTAs per cluster along K (1, 2, 4); partial tiles added
 //                through distributed shared memory in rank order
-//   W_MC         CTAs per cluster along N (1, 2, 4) that share the
-//                activation tile: each loads BT / W_MC of its rows and the
-//                TMA multicasts them to all (the tile is read from L2 once
-//                per cluster instead of once per CTA)
 //   W_ACT        1: fp16 operands, 2: bf16 operands
 //   W_OUT_F16, W_BIAS   output dtype; bias none / fp32 / bf16 / fp16 (0-3)
 //
@@ -77,9 +73,6 @@
 #ifndef W_SPLIT
 #define W_SPLIT 1
 #endif
-#ifndef W_MC
-#define W_MC 1
-#endif
 #ifndef W_ACT
 #define W_ACT 2
 #endif
@@ -113,7 +106,6 @@ constexpr int WGS = W_WG;
 constexpr int BN = 64 * WGS;
 constexpr int STAGES = W_ST;
 constexpr int SPLIT = W_SPLIT;
-constexpr int MC = W_MC;
 constexpr int THREADS = 128 * WGS;     // consumer threads
 // + the producer warp.  (Warps are pinned to SM quadrants: nine warps put
 // three on one, which caps every thread at 168 registers: no 256-row tile.)
@@ -126,7 +118,6 @@ constexpr int KB = 64;              // K per stage: one 128-byte swizzle row of 
 constexpr int NKB = K / KB;
 constexpr int ACC = BT / 2;         // fp32 accumulators per thread (m64 x BT over 128 threads)
 constexpr int X_BYTES = BT * 128;
-constexpr int XS_ROWS = BT / MC;       // activation rows each CTA of a multicast group loads
 constexpr int W_BYTES = BN * 32;
 constexpr int S_BYTES = 512;
 constexpr int STAGE_BYTES = (X_BYTES + W_BYTES + S_BYTES + 1023) / 1024 * 1024;
@@ -143,9 +134,6 @@ static_assert(BT == 32 || BT == 64 || BT == 128, "W_BT must be 32, 64 or 128");
 static_assert(WGS == 1 || WGS == 2, "W_WG must be 1 or 2");
 static_assert(STAGES >= 4 && STAGES <= 8 && STAGES % 2 == 0, "W_ST must be 4, 6 or 8");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "W_SPLIT must be 1, 2 or 4");
-static_assert(MC == 1 || MC == 2 || MC == 4, "W_MC must be 1, 2 or 4");
-static_assert(MC * SPLIT <= 8, "W_MC x W_SPLIT: at most 8 CTAs per cluster");
-static_assert(XS_ROWS % 8 == 0, "each multicast slice must be whole 8-row swizzle atoms");
 
 // A CUtensorMap, passed by value (__grid_constant__) and read by the TMA unit.
 struct alignas(64) TmaMap {
@@ -159,23 +147,6 @@ __device__ __forceinline__ void tma_2d(u32 dst, const TmaMap* map, int c0, int c
           dst),
       "l"(map), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
-}
-
-// The same tile into the shared memory of every CTA in ``mask`` (same
-// offset), completing on each one's barrier at ``bar``'s offset.
-__device__ __forceinline__ void tma_2d_multicast(u32 dst, const TmaMap* map, int c0, int c1, u32 bar, u16 mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-      "l"(map), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
-      : "memory");
-}
-
-// One arrival on the barrier at ``bar``'s offset in cluster rank ``rank``.
-__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
-  u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 __device__ __forceinline__ u32 lds32(u32 addr) {
@@ -331,8 +302,8 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], const u32 (&a)[4][4
 
 }  // namespace wg
 
-#if W_SPLIT * W_MC > 1
-#define W_CLUSTER __cluster_dims__(1, W_MC, W_SPLIT)
+#if W_SPLIT > 1
+#define W_CLUSTER __cluster_dims__(1, 1, W_SPLIT)
 #else
 #define W_CLUSTER
 #endif
@@ -368,16 +339,11 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(bars + 8 * s, 1);                      // the producer's expect_tx
-      mbar_init(bars + 8 * (STAGES + s), 4 * WGS * MC);  // one arrival per consumer warp of the group
+      mbar_init(bars + 8 * (STAGES + s), 4 * WGS);  // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  // The group's peers write this CTA's slots and arrive on its barriers.
-  if (MC > 1) cluster_sync();
-  else __syncthreads();
-  // this CTA's place in its multicast group (cluster (1, MC, SPLIT): rank y + MC z)
-  const u32 mc_y = blockIdx.y % MC;
-  const u32 group0 = (u32)blockIdx.z * MC;  // the group's first cluster rank
+  __syncthreads();
 
   float acc[ACC];
 #pragma unroll
@@ -390,12 +356,8 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
         const int slot = i % STAGES;
         mbar_wait(bars + 8 * (STAGES + slot), ((i / STAGES) & 1) ^ 1);  // the slot's last readers are done
         const u32 full = bars + 8 * slot, base = smem0 + slot * STAGE_BYTES;
-        mbar_expect_tx(full, STAGE_TX);  // the whole activation tile: this CTA's slice and the peers'
-        if (MC > 1)
-          tma_2d_multicast(base + mc_y * XS_ROWS * 128, &tmap_x, (kb0 + i) * KB, m0 + mc_y * XS_ROWS, full,
-                           (u16)(((1u << MC) - 1u) << group0));
-        else
-          tma_2d(base, &tmap_x, (kb0 + i) * KB, m0, full);
+        mbar_expect_tx(full, STAGE_TX);
+        tma_2d(base, &tmap_x, (kb0 + i) * KB, m0, full);
         tma_2d(base + X_BYTES, &tmap_w, (kb0 + i) * (KB / 2), n0, full);
         tma_2d(base + X_BYTES + W_BYTES, &tmap_s, 0, 2 * (atom0 + i), full);
       }
@@ -439,13 +401,7 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
           }
           wgmma_wait<1>();  // the MMAs of stage i - 1 are done: its slot is free
           __syncwarp();
-          if (i > 0) {  // the slot is free in this CTA: tell every producer that writes it
-            if (MC == 1) {
-              if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));
-            } else if (lane < MC) {
-              mbar_arrive_cluster(bars + 8 * (STAGES + prev), group0 + lane);
-            }
-          }
+          if (i > 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));
           prev = slot;
           slot = slot + 1 == STAGES ? 0 : slot + 1;
           phase ^= slot == 0;
@@ -459,7 +415,7 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
 #if W_SPLIT > 1
   __syncthreads();  // every consumer is done with the pipeline's shared memory
   // partial tile as [i / 4][thread][4]: one 16-byte store / remote load per four accumulators
-  const u32 rank = blockIdx.z;  // the split rank; the peers of split r sit at cluster rank mc_y + MC r
+  const u32 rank = cluster_rank();
   if (!producer && rank != 0) {
 #pragma unroll
     for (int i = 0; i < ACC; i += 4)
@@ -472,7 +428,7 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
 #pragma unroll 1
     for (u32 r = 1; r < SPLIT; ++r) {
       u32 remote;
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem0), "r"(mc_y + MC * r));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem0), "r"(r));
 #pragma unroll
       for (int i = 0; i < ACC; i += 4) {
         float v0, v1, v2, v3;
@@ -489,8 +445,6 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
   }
   cluster_sync();  // peers keep their shared memory until rank 0 has read it
   if (rank != 0) return;
-#else
-  if (MC > 1) cluster_sync();  // the group's last remote arrivals land before any CTA exits
 #endif
   if (producer) return;
 

@@ -113,17 +113,12 @@ class WgmmaConfig:
         TMA ring stages of 64 K (4, 6 or 8); the producer runs up to ``stages - 1`` ahead.
     split_k : int
         CTAs per cluster splitting K (1, 2, 4); partial tiles added through DSMEM.
-    multicast : int
-        CTAs per cluster along N (1, 2, 4) sharing the activation tile: each
-        loads ``tile_m / multicast`` of its rows and the TMA multicasts them
-        to the group (the tile leaves L2 once per group, not once per CTA).
     """
 
     tile_m: int = 128
     warpgroups: int = 2
     stages: int = 4
     split_k: int = 1
-    multicast: int = 1
 
     def rows(self) -> int:
         return 64 * self.warpgroups
@@ -150,21 +145,17 @@ class WgmmaConfig:
 
     def grid(self, n: int, m: int) -> tuple[int, int, int]:
         """(activation tiles, weight tiles, split_k): the activation tiles of a
-        weight tile run side by side and meet it in L2.  The weight tiles are
-        rounded up to whole multicast groups (the spare CTAs load their share
-        of the activation, read zeros past N and store nothing)."""
-        tiles = -(-n // self.rows())
-        return (-(-m // self.tile_m), -(-tiles // self.multicast) * self.multicast, self.split_k)
+        weight tile run side by side and meet it in L2."""
+        return (-(-m // self.tile_m), -(-n // self.rows()), self.split_k)
 
     def defines(self, n: int, k: int, out_dtype: torch.dtype, bias_dtype: torch.dtype | None,
                 act_dtype: torch.dtype) -> dict[str, int]:
         return {"W_N": n, "W_K": k, "W_BT": self.tile_m, "W_WG": self.warpgroups, "W_ST": self.stages,
-                "W_SPLIT": self.split_k, "W_MC": self.multicast, "W_ACT": gv.ACT_CODES[act_dtype],
+                "W_SPLIT": self.split_k, "W_ACT": gv.ACT_CODES[act_dtype],
                 "W_OUT_F16": int(out_dtype == torch.float16), "W_BIAS": gv.BIAS_CODES[bias_dtype]}
 
     def short(self) -> str:
-        mc = f"c{self.multicast}" if self.multicast > 1 else ""
-        return f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}{mc}"
+        return f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}"
 
 
 def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
@@ -182,12 +173,6 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
         return False, f"stages must be 4, 6 or 8 (the ring is unrolled in pairs), got {cfg.stages}"
     if cfg.split_k not in (1, 2, 4):
         return False, f"split_k must be 1, 2 or 4, got {cfg.split_k}"
-    if cfg.multicast not in (1, 2, 4):
-        return False, f"multicast must be 1, 2 or 4, got {cfg.multicast}"
-    if cfg.multicast * cfg.split_k > 8:
-        return False, f"multicast x split_k = {cfg.multicast * cfg.split_k} CTAs per cluster, over 8"
-    if cfg.tile_m // cfg.multicast < 8:
-        return False, f"tile_m / multicast = {cfg.tile_m // cfg.multicast} rows per slice, under one 8-row swizzle atom"
     if (cfg.split_k - 1) * -(-(k // K_MULTIPLE) // cfg.split_k) >= k // K_MULTIPLE:
         return False, f"split_k {cfg.split_k} leaves a cluster rank without any of the {k // K_MULTIPLE} K stages"
     if cfg.registers() > MAX_REGS:
@@ -253,12 +238,11 @@ def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> WgmmaC
 
 def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> list[WgmmaConfig]:
     """The benchmark's sweep: the chosen config first, then every valid
-    tile x warpgroups x stages x split x multicast point with one of the two
-    largest tiles up to 2 M."""
+    tile x warpgroups x stages x split point with one of the two largest
+    tiles up to 2 M."""
     first = choose_config(n, k, m, num_sms)
     tiles = [t for t in TILES if t <= max(32, 2 * m)][-2:]
-    found = [WgmmaConfig(t, g, s, sk, mc) for t in reversed(tiles) for g in (2, 1) for s in (4, 6) for sk in (1, 2, 4)
-             for mc in (1, 2, 4)]
+    found = [WgmmaConfig(t, g, s, sk) for t in reversed(tiles) for g in (2, 1) for s in (4, 6) for sk in (1, 2, 4)]
     return [first, *[c for c in found if c != first and config_valid(c, n, k)[0]]]
 
 
@@ -299,7 +283,7 @@ def launch(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torc
     cfg = cfg or choose_config(n, k, m, sm_count(dev))
     spec = kernel_spec(n, k, cfg, out.dtype, None if bias is None else bias.dtype, x.dtype)
     x_map = jit.tensor_map_2d(x.data_ptr(), 2 if x.dtype == torch.float16 else 3, k, m,
-                              x.stride(0) * x.element_size(), K_MULTIPLE, cfg.tile_m // cfg.multicast, 128)
+                              x.stride(0) * x.element_size(), K_MULTIPLE, cfg.tile_m, 128)
     w_map = jit.tensor_map_2d(b.data_ptr(), 1, k // 2, n, b.stride(0), K_MULTIPLE // 2, cfg.rows(), 32)
     s_map = jit.tensor_map_2d(b_scales.data_ptr(), 1, 256, b_scales.numel() // 256, 256, 256, 2, 0)
     spec.kernel().launch(cfg.grid(n, m), cfg.threads(),

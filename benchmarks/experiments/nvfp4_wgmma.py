@@ -71,8 +71,7 @@ def main() -> None:
                 kern = spec(n, k, cfg, prof).kernel()
 
                 def call(c, cfg=cfg, kern=kern):
-                    x_map = jit.tensor_map_2d(x.data_ptr(), 3, k, m, k * 2, wg.K_MULTIPLE,
-                                              cfg.tile_m // cfg.multicast, 128)
+                    x_map = jit.tensor_map_2d(x.data_ptr(), 3, k, m, k * 2, wg.K_MULTIPLE, cfg.tile_m, 128)
                     w_map = jit.tensor_map_2d(c[0].data_ptr(), 1, k // 2, n, k // 2, wg.K_MULTIPLE // 2,
                                               cfg.rows(), 32)
                     s_map = jit.tensor_map_2d(c[1].data_ptr(), 1, 256, c[1].numel() // 256, 256, 256, 2, 0)
