@@ -110,9 +110,6 @@ constexpr int THREADS = 128 * WGS;     // consumer threads
 // + the producer warp.  (Warps are pinned to SM quadrants: nine warps put
 // three on one, which caps every thread at 168 registers: no 256-row tile.)
 constexpr int THREADS_ALL = THREADS + 32;
-// Two CTAs per SM where the accumulators leave room (the register cap
-// keeps ptxas from spending it on the unrolled ring).
-constexpr int MIN_CTAS = BT <= 64 ? 2 : 1;
 static_assert(THREADS_ALL % 32 == 0, "whole warps");
 constexpr int KB = 64;              // K per stage: one 128-byte swizzle row of 16-bit activation
 constexpr int NKB = K / KB;
@@ -132,7 +129,7 @@ constexpr float DECODE_POW = W_ACT == 2 ? 128.0f : 16384.0f;
 static_assert(K % KB == 0, "K must be a multiple of 64");
 static_assert(BT == 32 || BT == 64 || BT == 128, "W_BT must be 32, 64 or 128");
 static_assert(WGS == 1 || WGS == 2, "W_WG must be 1 or 2");
-static_assert(STAGES >= 4 && STAGES <= 8 && STAGES % 2 == 0, "W_ST must be 4, 6 or 8");
+static_assert(STAGES >= 4 && STAGES <= 8, "W_ST must be 4..8");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "W_SPLIT must be 1, 2 or 4");
 
 // A CUtensorMap, passed by value (__grid_constant__) and read by the TMA unit.
@@ -314,7 +311,7 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], const u32 (&a)[4][4
 // packed weight [N, K / 2] (bytes, box 32 x BN, 32-byte swizzle); both
 // zero-fill rows past m / N; tmap_s: the swizzled scales as rows of 256 bytes
 // (box 256 x 2: one 512-byte atom).  out: [m, N] contiguous.
-extern "C" __global__ void W_CLUSTER __launch_bounds__(wg::THREADS_ALL, wg::MIN_CTAS)
+extern "C" __global__ void W_CLUSTER __launch_bounds__(wg::THREADS_ALL, 1)
 nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ wg::TmaMap tmap_w,
             const __grid_constant__ wg::TmaMap tmap_s, const float* __restrict__ alpha_ptr,
             const void* __restrict__ bias, unsigned short* __restrict__ out, int m) {
@@ -377,7 +374,7 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
     const int ar0 = (n0 + r0) & 127, ar1 = (n0 + r1) & 127;
     const u32 s_off0 = X_BYTES + W_BYTES + ((ar0 & 31) << 4) + ((ar0 >> 5) << 2);
     const u32 s_off1 = X_BYTES + W_BYTES + ((ar1 & 31) << 4) + ((ar1 >> 5) << 2);
-    const u32 sel = (u32)t4 | ((u32)t4 << 4);  // scale byte t4, twice
+    const u32 sel = (u32)t4 | ((u32)t4 << 4);  // scale byte t4 in the low two bytes
 
     // Two stages per iteration (the two A register sets); the ring slot and
     // its phase are running values (no division by STAGES per stage).

@@ -110,7 +110,7 @@ class WgmmaConfig:
     warpgroups : int
         Consumer warpgroups (1 or 2); the CTA owns ``64 * warpgroups`` weight rows.
     stages : int
-        TMA ring stages of 64 K (4, 6 or 8); the producer runs up to ``stages - 1`` ahead.
+        TMA ring stages of 64 K (4-8); the producer runs up to ``stages - 1`` ahead.
     split_k : int
         CTAs per cluster splitting K (1, 2, 4); partial tiles added through DSMEM.
     """
@@ -169,8 +169,8 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
         return False, f"tile_m must be one of {TILES}, got {cfg.tile_m}"
     if cfg.warpgroups not in (1, 2):
         return False, f"warpgroups must be 1 or 2, got {cfg.warpgroups}"
-    if cfg.stages not in (4, 6, 8):
-        return False, f"stages must be 4, 6 or 8 (the ring is unrolled in pairs), got {cfg.stages}"
+    if not 4 <= cfg.stages <= 8:
+        return False, f"stages must be 4..8, got {cfg.stages}"
     if cfg.split_k not in (1, 2, 4):
         return False, f"split_k must be 1, 2 or 4, got {cfg.split_k}"
     if (cfg.split_k - 1) * -(-(k // K_MULTIPLE) // cfg.split_k) >= k // K_MULTIPLE:
