@@ -365,11 +365,11 @@ def test_shipped_policy(fake_gpu):
 
 
 def test_large_m_selects_it_small_m_does_not(fake_gpu, monkeypatch):
-    for m in (dc.MIN_M, 128, 1023, 4096):
-        # sm90: the measured rows give M 65-512 to cuda_wgmma
-        want = "cuda_wgmma" if fake_gpu == "sm90" and m <= 512 else dc.NAME
-        assert backends.select(_problem(m), "nvfp4_mm").name == want
-        assert backends.select(_problem(m, w4a16=True), "nvfp4_w4a16_mm").name == want
+    for m in (dc.MIN_M, 128, 1023, 1025, 4096):
+        # sm90: the measured rows ('*', an unswept shape) give M 33-1024 to cuda_wgmma
+        want = "cuda_wgmma" if fake_gpu == "sm90" and m <= 1024 else dc.NAME
+        assert backends.select(_problem(m, n=2048), "nvfp4_mm").name == want
+        assert backends.select(_problem(m, n=2048, w4a16=True), "nvfp4_w4a16_mm").name == want
         assert backends.select(_problem(m, out_dtype=torch.float32), "nvfp4_mm").name == dc.NAME
     for m in (1, 8, 16):
         assert backends.select(_problem(m), "nvfp4_mm").name != dc.NAME
@@ -383,7 +383,7 @@ def test_large_m_selects_it_small_m_does_not(fake_gpu, monkeypatch):
     # switched off (read at selection time): the others take every M
     for value, on in (("0", False), ("", False), ("1", True)):
         monkeypatch.setenv("SCALEDMM_NVFP4_DECODE_CUBLAS", value)
-        assert (backends.select(_problem(4096), "nvfp4_mm").name == dc.NAME) == on, value
+        assert (backends.select(_problem(4096, n=2048), "nvfp4_mm").name == dc.NAME) == on, value
         assert (dc.NAME in backends.priority("nvfp4", torch.device("cuda", 0))) == on, value
 
 

@@ -139,15 +139,18 @@ def test_priority_and_the_m_ranges(fake_sm90):
     assert backends.priority("nvfp4", torch.device("cuda", 0)) == order  # the shipped sm90 policy
     for m in (1, 16, 32):
         assert backends.select(_problem(m), "nvfp4_mm").name == gv.NAME
-    for m in (33, 64):  # the measured rows: cuda_mid up to 64, cuda_wgmma from 65
-        assert backends.select(_problem(m), "nvfp4_mm").name == md.NAME
+    # the measured rows of 6144x4096: cuda_mid at M = 33-64 (W4A16: 17-32), cuda_wgmma from there
+    for m in (33, 64):
+        assert backends.select(_problem(m, n=6144), "nvfp4_mm").name == md.NAME
     for m in (65, 100, md.MAX_M, 512):
-        assert backends.select(_problem(m), "nvfp4_mm").name == wg.NAME
+        assert backends.select(_problem(m, n=6144), "nvfp4_mm").name == wg.NAME
+        assert backends.select(_problem(m), "nvfp4_mm").name == wg.NAME  # 4096x4096: from M = 34
     assert backends.select(_problem(40, k=4064), "nvfp4_mm").name == md.NAME  # K % 64 != 0: not cuda_wgmma
     assert backends.select(_problem(100, k=4064), "nvfp4_mm").name == md.NAME
     assert backends.select(_problem(md.MAX_M + 1, k=4064), "nvfp4_mm").name == "decode_cublas"
     assert md.MAX_M + 1 == dc.MIN_M  # no gap between the two backends' M ranges
-    assert backends.select(_problem(17, w4a16=True), "nvfp4_w4a16_mm").name == md.NAME
+    assert backends.select(_problem(17, n=6144, w4a16=True), "nvfp4_w4a16_mm").name == md.NAME
+    assert backends.select(_problem(17, w4a16=True), "nvfp4_w4a16_mm").name == wg.NAME
     assert backends.select(_problem(40, out_dtype=torch.float32), "nvfp4_mm").name not in (md.NAME, gv.NAME)
 
 
