@@ -423,7 +423,7 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool):
     import torch
 
     from scaledmm.ops import nvfp4 as nv
-    from scaledmm.ops import nvfp4_triton as nt
+    from scaledmm.ops import nvfp4_triton_decode as nd
     from scaledmm.ops import nvfp4_wgmma as wg
 
     m, n, k = (40 if w4a16 else 100), GEMV_MNK[1], 768
@@ -444,7 +444,7 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool):
     a_d, sa_d, al_d = qa.to(ctx.dev), sa.to(ctx.dev), alpha.to(ctx.dev)
     need_backend("nvfp4", "cuda_wgmma", nv.mm_problem(a_d, qb_d, torch.bfloat16, None))
     cfg = wg.WgmmaConfig(64, 2, 4, 2)
-    first, out = ctx.twice(lambda: wg.launch(nt.dequant(a_d, sa_d, torch.float16, permute_k=True), qb_d, sb_d, al_d, None,
+    first, out = ctx.twice(lambda: wg.launch(nd.dequant(a_d, sa_d, torch.float16, permute_k=True), qb_d, sb_d, al_d, None,
                                              nv.mm_output(a_d, qb_d, torch.bfloat16), cfg))
     ref = (nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t()) * float(alpha)
     return close(out, ref, 1e-2, first)

@@ -5,7 +5,7 @@ At large M the fused Triton kernel (``ops/nvfp4_triton.py``) serializes the
 in-register decode with the tensor-core MMAs.  This backend separates them:
 
 1. decode: ``wd = deq(b)`` to 16 bits with the Triton backend's
-   :func:`~scaledmm.ops.nvfp4_triton.dequant` (W4A4: ``xd = deq(a)`` too).
+   :func:`~scaledmm.ops.nvfp4_triton_decode.dequant` (W4A4: ``xd = deq(a)`` too).
    Exact: every ``e2m1 * e4m3`` product has at most 6 significant bits in
    ``[2**-10, 2688]``.  No ``alpha`` is folded in (that would round);
 2. multiply: ``acc = xd @ wd.T`` in fp32 (``aten::mm.dtype`` on CUDA: cuBLAS
@@ -50,6 +50,7 @@ from scaledmm import backends
 from scaledmm.backends import Backend, Family, Problem
 from scaledmm.ops import nvfp4 as nv
 from scaledmm.ops import nvfp4_triton as nt
+from scaledmm.ops import nvfp4_triton_decode as nd
 
 FAMILY = Family.NVFP4
 NAME = "decode_cublas"
@@ -216,7 +217,7 @@ def _two_pass(x16: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha:
     for n0 in range(0, n, n_rows):
         n1 = min(n, n0 + n_rows)
         s_rows = nv.swizzled_shape(n1 - n0, 1)[0]  # n0 is a multiple of 128: a contiguous block
-        wd = nt.dequant(b[n0:n1], b_scales[n0:n0 + s_rows], x16.dtype)
+        wd = nd.dequant(b[n0:n1], b_scales[n0:n0 + s_rows], x16.dtype)
         chunk_bias = None if bias is None else bias[n0:n1]
         for m0 in range(0, m, m_rows):
             m1 = min(m, m0 + m_rows)
@@ -242,7 +243,7 @@ def mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None):
     """
     if a.shape[0] == 0 or b.shape[0] == 0:
         return nv.mm_output(a, b, out_dtype)
-    xd = nt.dequant(a, a_scales, W4A4_DTYPE)
+    xd = nd.dequant(a, a_scales, W4A4_DTYPE)
     return _two_pass(xd, b, b_scales, alpha, out_dtype, bias)
 
 

@@ -13,7 +13,7 @@ few tens to thousands.  Each thread decodes contiguous weight bytes; the
 activation's K runs in the matching order inside every 64 (:func:`permute_k`,
 a copy per call for W4A16).  W4A4 decodes the activation once per call to
 fp16, exactly and already in that order
-(:func:`scaledmm.ops.nvfp4_triton.dequant` with ``permute_k``), and runs the
+(:func:`scaledmm.ops.nvfp4_triton_decode.dequant` with ``permute_k``), and runs the
 same kernel.  Split K over the CTAs of a cluster (DSMEM, rank order):
 deterministic, no workspace, CUDA-graph safe.  See the .cu file's header for
 the design.
@@ -297,7 +297,7 @@ def permute_k(x: torch.Tensor) -> torch.Tensor:
     every 64 the way the kernel's weight decode meets it: column ``16 j + 8 h
     + 2 t + e`` of a 64 takes column ``16 t + 8 h + 4 e + j`` (t, j < 4; h, e
     < 2).  A fresh contiguous tensor (a temporary of the call); on a GPU one
-    Triton pass (:func:`scaledmm.ops.nvfp4_triton.permute_k16`).
+    Triton pass (:func:`scaledmm.ops.nvfp4_triton_decode.permute_k16`).
 
     Examples
     --------
@@ -305,17 +305,17 @@ def permute_k(x: torch.Tensor) -> torch.Tensor:
     [0.0, 4.0, 16.0, 20.0, 32.0, 36.0, 48.0, 52.0]
     """
     if x.is_cuda:
-        from scaledmm.ops import nvfp4_triton as nt
+        from scaledmm.ops import nvfp4_triton_decode as nd
 
-        return nt.permute_k16(x)
+        return nd.permute_k16(x)
     m, k = x.shape
     return x.view(m, k // 64, 4, 2, 2, 4).permute(0, 1, 5, 3, 2, 4).reshape(m, k)
 
 
 def _launch_w4a4(a, b, a_scales, b_scales, alpha, bias, out, cfg):
-    from scaledmm.ops import nvfp4_triton as nt
+    from scaledmm.ops import nvfp4_triton_decode as nd
 
-    return launch(nt.dequant(a, a_scales, W4A4_ACT, permute_k=True), b, b_scales, alpha, bias, out, cfg)
+    return launch(nd.dequant(a, a_scales, W4A4_ACT, permute_k=True), b, b_scales, alpha, bias, out, cfg)
 
 
 def _launch_w4a16(x, b, _unused, b_scales, alpha, bias, out, cfg):

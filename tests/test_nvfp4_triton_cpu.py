@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from scaledmm.ops import nvfp4_triton as nt
+from scaledmm.ops import nvfp4_triton_decode as nd
 from nvfp4_triton_helpers import CHILD, parent, triton_problem
 
 FP8 = torch.float8_e4m3fn
@@ -107,7 +108,7 @@ def _emulate(asm: str, regs: dict) -> dict:
 def test_ptx_decoders_on_emulator(kind):
     """Every byte value with every finite e4m3 scale: the PTX gives the fp16 /
     bf16 pair [hi * s : lo * s] * 2**-fold of byte j, bit for bit (signs too)."""
-    asm = {"f16": nt.PTX_F16, "bf16": nt.PTX_BF16, "bf16_direct": nt.PTX_BF16_DIRECT}[kind].value
+    asm = {"f16": nd.PTX_F16, "bf16": nd.PTX_BF16, "bf16_direct": nd.PTX_BF16_DIRECT}[kind].value
     scales = torch.arange(0, 127, dtype=torch.int32).to(torch.uint8).view(FP8).double()  # 0 .. 448
     byte = np.repeat(np.arange(256, dtype=np.uint32), len(scales))
     sc = np.tile(scales.numpy(), 256)

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import scaledmm
 from scaledmm.backends import Family, Problem
 from scaledmm.ops import nvfp4_triton as nt
+from scaledmm.ops import nvfp4_triton_decode as nd
 from scaledmm.ops import nvfp4_triton_quant as ntq
 from helpers import opcheck, poison_, rel_err
 from nvfp4_triton_helpers import (
@@ -113,7 +114,7 @@ def test_predecode_w_paths(out_dtype, m):
         assert rel_err(out, ref_mm(decode(qa, sa), decode(qb, sb), alpha, bias)) < 1e-2
         assert rel_err(out16, ref_mm(x.double(), decode(qb, sb), alpha, None)) < 1e-2
     # weight scaling is exact without a factor and a plain product with one
-    wd = nt.dequant(qb, sb, torch.float32, alpha)
+    wd = nd.dequant(qb, sb, torch.float32, alpha)
     assert rel_err(wd, decode(qb, sb) * 3.7e-4) < 1e-6
 
 
@@ -126,11 +127,11 @@ def test_dequant_permute_k_is_the_wgmma_order(m):
     from scaledmm.ops import nvfp4_wgmma as wg
 
     qa, sa = quantized(m, 320, "cpu", scale=3.0, gs=10.0)
-    plain = nt.dequant(qa, sa, torch.float16)
+    plain = nd.dequant(qa, sa, torch.float16)
     assert torch.equal(plain.double(), decode(qa, sa))
-    assert torch.equal(nt.dequant(qa, sa, torch.float16, permute_k=True), wg.permute_k(plain))
+    assert torch.equal(nd.dequant(qa, sa, torch.float16, permute_k=True), wg.permute_k(plain))
     with pytest.raises(ValueError, match="K % 64"):
-        nt.dequant(*quantized(2, 96, "cpu"), torch.float16, permute_k=True)
+        nd.dequant(*quantized(2, 96, "cpu"), torch.float16, permute_k=True)
 
 
 @interp
@@ -143,11 +144,11 @@ def test_permute_k16_is_the_wgmma_order(m, dtype):
     from scaledmm.ops import nvfp4_wgmma as wg
 
     x = torch.randn(m, 384, dtype=dtype)[:, :320]
-    got = nt.permute_k16(x)
+    got = nd.permute_k16(x)
     want = x.reshape(m, 5, 4, 2, 2, 4).permute(0, 1, 5, 3, 2, 4).reshape(m, 320)
     assert got.is_contiguous() and torch.equal(got, want) and torch.equal(wg.permute_k(x), want)
     with pytest.raises(ValueError, match="K % 64"):
-        nt.permute_k16(torch.zeros(2, 96, dtype=dtype))
+        nd.permute_k16(torch.zeros(2, 96, dtype=dtype))
 
 
 def test_predecode_w_only_for_16_bit_outputs():

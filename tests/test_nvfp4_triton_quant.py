@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scaledmm.ops import nvfp4_triton as nt
+from scaledmm.ops import nvfp4_triton_decode as nd
 from helpers import poison_
 from nvfp4_triton_helpers import (
     CHILD, interp, parent, QCFGS, QCFGS_STEPS, run_interpreter_child, same_bits, spec_quant, special_rows,
@@ -194,7 +195,7 @@ def test_e4m3_scale_decode_all_codes():
     codes = torch.arange(128, dtype=torch.int32).to(torch.uint8)
     q = torch.full((128, 8), 0x22, dtype=torch.uint8)  # e2m1 1.0 in both nibbles
     s = swizzle(codes.view(FP8).reshape(128, 1))
-    out = nt.dequant_fp16(q, s).float()
+    out = nd.dequant_fp16(q, s).float()
     want = codes.view(FP8).float()
     assert torch.equal(out[:127], want[:127].unsqueeze(1).expand(127, 16))
     assert out[127].isnan().all()

@@ -22,7 +22,7 @@ from nvfp4_helpers import check_f64_bound, cuda_operands
 import scaledmm
 from scaledmm import backends, jit
 from scaledmm.ops import nvfp4 as nv
-from scaledmm.ops import nvfp4_triton as nt
+from scaledmm.ops import nvfp4_triton_decode as nd
 from scaledmm.ops import nvfp4_wgmma as wg
 
 LLAMA8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -170,7 +170,7 @@ def test_explicit_request_on_cpu_explains():
 def _run(a, b, sa, sb, alpha, out_dtype=BF16, bias=None, cfg=None):
     torch.full((a.shape[0] * b.shape[0] + 1024,), float("nan"), device="cuda")  # NaN in the allocator
     if cfg is not None:
-        x = wg.permute_k(a) if a.dtype != U8 else nt.dequant(a, sa, F16, permute_k=True)
+        x = wg.permute_k(a) if a.dtype != U8 else nd.dequant(a, sa, F16, permute_k=True)
         return wg.launch(x, b, sb, alpha, bias, poison_(nv.mm_output(a, b, out_dtype)), cfg)
     with scaledmm.use_backend("nvfp4", wg.NAME):
         if a.dtype == U8:
