@@ -32,6 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from scaledmm.env import pdl as env_pdl
+
 from .harness import BASELINE, OURS, Result, rel_err
 from .shapes import CPU_M, MODEL_M, Shape, parse_ms
 from .timing import TimingConfig, copies_for, measure, synchronize
@@ -239,6 +241,9 @@ def add_arguments(parser) -> None:
     g.add_argument("--gen-reps", type=int, default=None, help="timed generate pairs per format (default 5, --quick 3)")
     g.add_argument("--compile", choices=("inductor", "aot_eager", "off"), default=None,
                    help="how layers and the decode step are compiled (default: inductor on a GPU, off on the CPU)")
+    g.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=True,
+                   help="Inductor's own kernels with programmatic dependent launch (triton.enable_pdl, as "
+                        "scaledmm.compile.options() sets it), for every format and bf16 alike (default on)")
 
 
 def _parse_list(spec: str, valid: Sequence[str], option: str) -> list[str]:
@@ -577,7 +582,16 @@ def _write(args, out_dir: Path, section: str, body: str) -> None:
 
 def run_family(args, device: torch.device, cfg: TimingConfig, env: dict, ceil, out_dir: Path) -> int:
     """Run the parts ``args`` ask for; write markdown, CSV, plots and the
-    ``RESULTS.md`` sections (``model-<name>`` per model, ``model-generate``)."""
+    ``RESULTS.md`` sections (``model-<name>`` per model, ``model-generate``).
+    ``--inductor-pdl`` holds for the run only."""
+    import torch._inductor.config as inductor_config
+
+    pdl = bool(getattr(args, "inductor_pdl", False)) and device.type == "cuda"
+    with inductor_config.patch({"triton.enable_pdl": pdl}):
+        return _run_family(args, device, cfg, env, ceil, out_dir, pdl)
+
+
+def _run_family(args, device: torch.device, cfg: TimingConfig, env: dict, ceil, out_dir: Path, pdl: bool) -> int:
     import shutil
 
     if args.shapes or args.providers:
@@ -604,7 +618,10 @@ def run_family(args, device: torch.device, cfg: TimingConfig, env: dict, ceil, o
         results, weights = run_layers(names, formats, ms, device, cfg, compile_mode)
         method = ("layers not compiled (--compile off)" if compile_mode == "off" else
                   f"each layer compiled ({compile_mode}, fullgraph, M dynamic"
-                  + (", post-grad pass scaledmm.compile.passes())" if compile_mode == "inductor" else ")"))
+                  + (", post-grad pass scaledmm.compile.passes()" if compile_mode == "inductor" else "")
+                  + (", Inductor PDL (triton.enable_pdl))" if pdl else ")"))
+        if device.type == "cuda" and not env_pdl():
+            method += " (SCALEDMM_PDL=0: our kernels without PDL)"
         method += (", checked against a float64 run of the unquantized layer (relative L2 error of "
                    "output - input), then timed: ")
         method += (f"CUDA-graph replay of one pass over enough layer copies to exceed {cfg.rotate_bytes >> 20} MiB "

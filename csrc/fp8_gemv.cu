@@ -61,6 +61,9 @@
 //  * Split K across the warps of a CTA (shared-memory sums in warp order) and
 //    across the CTAs of a cluster (DSMEM sums in rank order): no workspace,
 //    no atomics, bit-reproducible, CUDA-graph safe.
+//  * Programmatic dependent launch (a no-op without it): every thread waits
+//    for the previous grid (griddepcontrol.wait) before its first global
+//    read or write, then lets the next grid launch.
 //  * q_out / s_out (may be null): CTA column 0 also writes the codes and the
 //    scales it computed, the quantizer's outputs (for tests).
 
@@ -502,6 +505,9 @@ fp8_gemv(const unsigned short* __restrict__ x, long long x_stride, const unsigne
   const int jobs = cw * my_tiles;
   auto tile_of = [&](int j) { return (int)blockIdx.x + (j / cw) * (int)gridDim.x; };
   auto batch_of = [&](int j) { return warp + (j % cw) * WARPS; };
+
+  grid_dependency_wait();
+  launch_dependents();
 
   // The first two weight batches go out before the activation work.
   Batch b0, b1;

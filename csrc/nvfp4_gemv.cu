@@ -53,6 +53,9 @@
 //  * Split K across the warps of a CTA (shared-memory sums in warp order) and
 //    across the CTAs of a cluster (DSMEM sums in rank order): no workspace,
 //    no atomics, no counters, bit-reproducible, CUDA-graph safe.
+//  * Programmatic dependent launch (a no-op without it): every thread waits
+//    for the previous grid (griddepcontrol.wait) before its first global
+//    read or write, then lets the next grid launch.
 
 #ifndef G_N
 #error "G_N (output columns) must be defined"
@@ -321,6 +324,9 @@ nvfp4_gemv(const unsigned char* __restrict__ a, const unsigned char* __restrict_
     for (int f = 0; f < MF; ++f)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[t][f][e] = 0.f;
+
+  grid_dependency_wait();
+  launch_dependents();
 
   // Warps take batches of U units round-robin; two register batches in flight.
   const int nbatch = (op.u_end - op.u_begin + U - 1) / U;

@@ -52,6 +52,9 @@
 //    rounding.  Split K: each rank's fp32 tile to its shared memory, rank 0
 //    adds ranks 1.. in order.  Deterministic, no workspace, no atomics,
 //    CUDA-graph safe (the tensor maps are kernel parameters, captured by value).
+//  * Programmatic dependent launch (a no-op without it): after the barrier
+//    set-up every thread waits for the previous grid (griddepcontrol.wait)
+//    before any TMA load or global write, then lets the next grid launch.
 
 #include "nvfp4_decode.cuh"
 
@@ -219,10 +222,11 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
-// The scale multiplier of one row's 16-K group from its e4m3 byte: fp16
-// [s : s], or bf16 [s 2^119 : s 2^119] (exact: 4 significant bits).
-__device__ __forceinline__ u32 scale_reg(u32 byte) {
-  const u32 h2 = e4m3x2_to_f16x2(byte | (byte << 8));
+// The scale multiplier of one row's 16-K group from its e4m3 byte, given
+// twice in the low two bytes of ``pair``: fp16 [s : s], or bf16
+// [s 2^119 : s 2^119] (exact: 4 significant bits).
+__device__ __forceinline__ u32 scale_reg(u32 pair) {
+  const u32 h2 = e4m3x2_to_f16x2(pair);
 #if W_ACT == 2
   const float f = f16_to_f32((u16)h2) * 6.6461399789245794e35f;  // 2^119, exact
   u32 s;
@@ -340,6 +344,8 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  grid_dependency_wait();
+  launch_dependents();
   __syncthreads();
 
   float acc[ACC];

@@ -27,9 +27,10 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from scaledmm import validation as V
-from scaledmm.device import capability, interpreting, sm_count
+from scaledmm.device import capability, interpreting, sm_count, triton_pdl
 from scaledmm.oplib import FP8_DTYPE
 
 from . import fp8_block as base
@@ -183,7 +184,10 @@ def to_e4m3(x, s, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, RECIPROCAL: tl.co
 def quant_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, eps,
                   GROUP: tl.constexpr, GP: tl.constexpr, NUM_GROUPS: tl.constexpr, ROWS: tl.constexpr,
                   TOKEN_MINOR: tl.constexpr, UE8M0: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # scaledmm.device.pdl
+        gdc_wait()
+        gdc_launch_dependents()
     # One tile row = one (token, group) pair of the flattened M x NUM_GROUPS
     # grid of groups, so a program has ROWS groups whatever M is: M = 1 still
     # spreads K / GROUP groups over many programs, large M gets wide tiles.
@@ -287,5 +291,5 @@ def per_token_group_quant(x: torch.Tensor, group_size: int = 128, eps: float = 1
             x, bytes_view(q, widen), s, m, x.stride(0), q.stride(0), s.stride(0), s.stride(1), float(eps),
             GROUP=group_size, GP=gp, NUM_GROUPS=g, ROWS=rows,
             TOKEN_MINOR=bool(token_minor), UE8M0=bool(scale_ue8m0), SOFT_CVT=soft, WIDEN=widen,
-            INTERPRET=_INTERPRET, num_warps=num_warps or warps)
+            INTERPRET=_INTERPRET, num_warps=num_warps or warps, **triton_pdl(x.device))
     return q, s

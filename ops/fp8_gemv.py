@@ -44,7 +44,7 @@ import torch
 
 from scaledmm import backends, jit, kernel_tuning
 from scaledmm.backends import Backend, Family, Problem
-from scaledmm.device import NUM_SMS_H200, sm_count
+from scaledmm.device import NUM_SMS_H200, pdl, sm_count
 from scaledmm.oplib import FP8_DTYPE
 from scaledmm.ops import fp8 as f8
 
@@ -365,7 +365,8 @@ def launch(x: torch.Tensor, b: torch.Tensor, scale_x: torch.Tensor | None, scale
     ``fp8_block.check_linear_args``), with 1 <= M <= 16, K % 128 == 0 and
     :func:`aligned` operands.  ``q_out`` / ``s_out`` (contiguous, optional):
     also write the codes ``[M, K]`` and the scales the kernel computed (the
-    quantizer's outputs: ``[1]``, ``[M]`` or ``[M, K / 128]``).
+    quantizer's outputs: ``[1]``, ``[M]`` or ``[M, K / 128]``).  With
+    :func:`scaledmm.device.pdl` the launch is a programmatic dependent one.
     """
     m = x.shape[0]
     n, k = b.shape
@@ -373,6 +374,7 @@ def launch(x: torch.Tensor, b: torch.Tensor, scale_x: torch.Tensor | None, scale
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     num_sms = sm_count(dev)
     cfg = cfg or choose_config(n, k, mb, num_sms)
+    use_pdl = pdl(x.device)
     spec = kernel_spec(n, k, mb, cfg, ascale, bscale, x.dtype, out.dtype, None if bias is None else bias.dtype)
     kern = spec.kernel()
     smem = cfg.smem(k, m, ascale == "group")
@@ -383,7 +385,7 @@ def launch(x: torch.Tensor, b: torch.Tensor, scale_x: torch.Tensor | None, scale
     kern.launch(persistent_grid(cfg, n, per_sm * num_sms), cfg.threads(),
                 (x, ctypes.c_longlong(x.stride(0)), b, scale_x, scale_b, bias, out, ctypes.c_int(m),
                  ctypes.c_float(eps), q_out, s_out),
-                device=x.device, shared_mem=smem)
+                device=x.device, shared_mem=smem, pdl=use_pdl)
     return out
 
 

@@ -38,9 +38,11 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from scaledmm import backends
 from scaledmm.backends import Backend, Problem
+from scaledmm.device import triton_pdl
 from scaledmm.oplib import FP8_MAX
 
 from . import fp8 as base
@@ -249,10 +251,13 @@ def _scale_of(amax, floor):
 def scaled_kernel(x_ptr, q_ptr, s_ptr, so_ptr, part_ptr, M, K, stride_xm, stride_sm, tiles_k, n_tiles, n_part,
                    floor, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_SCALE: tl.constexpr,
                    DYNAMIC: tl.constexpr, NP: tl.constexpr, REVERSE: tl.constexpr,
-                   SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
+                   SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False):
     """One ``[BLOCK_M, BLOCK_K]`` tile with a known scale: the static one
     (``s_ptr``: one element, or a row's at ``stride_sm`` with ROW_SCALE), or
     (DYNAMIC) the per-tensor one from the ``n_part`` partial maxima."""
+    if PDL:  # scaledmm.device.pdl
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     tile = n_tiles - 1 - pid if REVERSE else pid
     pid_m = tile // tiles_k
@@ -284,9 +289,12 @@ def scaled_kernel(x_ptr, q_ptr, s_ptr, so_ptr, part_ptr, M, K, stride_xm, stride
 
 @triton.jit(do_not_specialize=["M", "tiles_k", "n_tiles"])
 def amax_kernel(x_ptr, part_ptr, M, K, stride_xm, tiles_k, n_tiles,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Per-tensor pass 1: program p writes max |x| over the finite elements
     of tiles p, p + P, p + 2P, ... (P programs) to ``part_ptr[p]``."""
+    if PDL:  # scaledmm.device.pdl
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for tile in range(pid, n_tiles, tl.num_programs(0)):
@@ -301,10 +309,13 @@ def amax_kernel(x_ptr, part_ptr, M, K, stride_xm, tiles_k, n_tiles,
 
 @triton.jit(do_not_specialize=["M"])
 def tensor_kernel(x_ptr, q_ptr, so_ptr, M, K, stride_xm, floor, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
+                  SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False):
     """Dynamic per-tensor in one program holding the whole ``[M, K]`` input
     as one tile: the amax of its finite ``|x|``, the scale, the codes (x is
     read once)."""
+    if PDL:  # scaledmm.device.pdl
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
@@ -326,9 +337,12 @@ def _row_amax(ax):
 
 @triton.jit(do_not_specialize=["M"])
 def token_kernel(x_ptr, q_ptr, so_ptr, M, K, stride_xm, floor, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  ONE_PASS: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr):
+                  ONE_PASS: tl.constexpr, SOFT_CVT: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False):
     """Dynamic per-token: rows ``[pid * BLOCK_M, +BLOCK_M)``, their scales
     ``max(amax, floor) / 448`` and codes."""
+    if PDL:  # scaledmm.device.pdl
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
@@ -417,11 +431,12 @@ def quant(x: torch.Tensor, scale: torch.Tensor | None = None, per_token: bool = 
     qv = bytes_view(q, widen)
     bm, bk, nw = cfg.block_m, cfg.block_k, cfg.num_warps
     floor = float(base.AMAX_FLOOR)
+    pdl = triton_pdl(x.device)
     with _device_guard(x.device):
         if mode == PER_TOKEN:
             token_kernel[(triton.cdiv(m, bm),)](
                 x, qv, s_out, m, k, x.stride(0), floor, BLOCK_M=bm, BLOCK_K=bk, ONE_PASS=k <= bk,
-                SOFT_CVT=soft, WIDEN=widen, num_warps=nw)
+                SOFT_CVT=soft, WIDEN=widen, num_warps=nw, **pdl)
             return q, s_out
         tiles_k = triton.cdiv(k, bk)
         n_tiles = triton.cdiv(m, bm) * tiles_k
@@ -430,22 +445,23 @@ def quant(x: torch.Tensor, scale: torch.Tensor | None = None, per_token: bool = 
             scaled_kernel[(n_tiles,)](
                 x, qv, scale, s_out, s_out, m, k, x.stride(0), scale.stride(0) if row else 0, tiles_k, n_tiles, 0,
                 floor, BLOCK_M=bm, BLOCK_K=bk, ROW_SCALE=row, DYNAMIC=False, NP=1, REVERSE=False,
-                SOFT_CVT=soft, WIDEN=widen, num_warps=nw)
+                SOFT_CVT=soft, WIDEN=widen, num_warps=nw, **pdl)
             return q, s_out
         tile_m, tile_k = _next_pow2(m), _next_pow2(k)
         if config is None and tile_m * tile_k <= ONE_PROGRAM_ELEMENTS:
             tensor_kernel[(1,)](x, qv, s_out, m, k, x.stride(0), floor, BLOCK_M=tile_m, BLOCK_K=tile_k,
-                                SOFT_CVT=soft, WIDEN=widen, num_warps=max(4, min(16, tile_m * tile_k // 2048)))
+                                SOFT_CVT=soft, WIDEN=widen, num_warps=max(4, min(16, tile_m * tile_k // 2048)),
+                                **pdl)
             return q, s_out
         n_part = min(n_tiles, AMAX_PROGRAMS)
         part = torch.empty(n_part, dtype=torch.float32, device=x.device)
         amax_kernel[(n_part,)](x, part, m, k, x.stride(0), tiles_k, n_tiles, BLOCK_M=bm, BLOCK_K=bk,
-                                num_warps=nw)
+                                num_warps=nw, **pdl)
         scaled_kernel[(n_tiles,)](
             x, qv, s_out, s_out, part, m, k, x.stride(0), 0, tiles_k, n_tiles, n_part, floor,
             BLOCK_M=bm, BLOCK_K=bk, ROW_SCALE=False, DYNAMIC=True, NP=_next_pow2(AMAX_PROGRAMS),
             REVERSE=bool(reverse),
-            SOFT_CVT=soft, WIDEN=widen, num_warps=nw)
+            SOFT_CVT=soft, WIDEN=widen, num_warps=nw, **pdl)
     return q, s_out
 
 

@@ -53,7 +53,7 @@ import torch
 
 from scaledmm import backends, jit, kernel_tuning
 from scaledmm.backends import Backend, Family, Problem
-from scaledmm.device import NUM_SMS_H200, sm_count
+from scaledmm.device import NUM_SMS_H200, pdl, sm_count
 from scaledmm.ops import nvfp4 as nv
 
 FAMILY = Family.NVFP4
@@ -367,7 +367,8 @@ def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: GemvCo
     (W4A16; ``a_scales`` is then not read).  Arguments must already be
     validated (``nvfp4.check_mm_args`` / ``check_w4a16_args``), with
     1 <= M <= 32 (W4A16: 16), K % 32 == 0, bf16/fp16 ``out`` and
-    :func:`aligned` operands.
+    :func:`aligned` operands.  With :func:`scaledmm.device.pdl` the launch
+    is a programmatic dependent one.
     """
     m = a.shape[0]
     n, k = b.shape[0], 2 * b.shape[1]
@@ -375,11 +376,12 @@ def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: GemvCo
     mb = m_bucket(m)
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     cfg = cfg or choose_config(n, k, mb, sm_count(dev), w4a16)
+    use_pdl = pdl(a.device)
     spec = kernel_spec(n, k, mb, cfg, out.dtype, None if bias is None else bias.dtype, a.dtype)
     spec.kernel().launch(cfg.grid(n), cfg.threads(),
                          (a, b, a_scales, b_scales, alpha, bias, out, ctypes.c_int(m),
                           ctypes.c_longlong(a.stride(0) * a.element_size())),
-                         device=a.device)
+                         device=a.device, pdl=use_pdl)
     return out
 
 

@@ -52,8 +52,9 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from scaledmm.device import capability
+from scaledmm.device import capability, triton_pdl
 from scaledmm.ops import nvfp4 as nv
 
 
@@ -204,7 +205,10 @@ def _quant_codes(x, r, sign_mask):
 @triton.jit(do_not_specialize=["M", "s_rows"])
 def _quant_kernel(x_ptr, gs_ptr, q_ptr, s_ptr, M, K, stride_xm, s_rows, s_cols, s_c4,
                   SWIZZLE: tl.constexpr, HW_E4M3: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # scaledmm.device.pdl
+        gdc_wait()
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
     G = K // 16
@@ -414,7 +418,10 @@ def _rows_block(ca, cb, gs, rgs, HW_E4M3: tl.constexpr, INPUT: tl.constexpr, COD
 def _rows_kernel(x_ptr, gs_ptr, q_ptr, s_ptr, M, K, stride_xm, s_rows, s_cols, s_c4,
                  SWIZZLE: tl.constexpr, HW_E4M3: tl.constexpr,
                  INPUT: tl.constexpr, CODES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, RPS: tl.constexpr, PREFETCH: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, RPS: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # scaledmm.device.pdl
+        gdc_wait()
+        gdc_launch_dependents()
     # program: BLOCK_M rows x BLOCK_G blocks, RPS rows per step (one thread per
     # block: a warp reads 32 consecutive blocks of a row, 1 KB of bf16); the
     # loads run PREFETCH steps ahead of the math
@@ -506,11 +513,12 @@ def quant(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool = True,
     args = (x, global_scale, q, s.view(torch.uint8), m, k, x.stride(0), s_rows, s_cols, s_cols // 4)
     if cfg.variant == "split8":
         _quant_kernel[grid](*args, SWIZZLE=bool(swizzle), HW_E4M3=_hw_e4m3(x.device),
-                            BLOCK_M=cfg.block_m, BLOCK_G=cfg.block_g, num_warps=cfg.num_warps)
+                            BLOCK_M=cfg.block_m, BLOCK_G=cfg.block_g, num_warps=cfg.num_warps,
+                            **triton_pdl(x.device))
     else:
         _rows_kernel[grid](*args, SWIZZLE=bool(swizzle), HW_E4M3=_hw_e4m3(x.device),
                            INPUT=_rows_input(x),
                            CODES=VARIANTS.index(cfg.variant) - 1, BLOCK_M=cfg.block_m,
                            BLOCK_G=cfg.block_g, RPS=cfg.rows_per_step(), PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
-                           enable_fp_fusion=False)
+                           enable_fp_fusion=False, **triton_pdl(x.device))
     return q, s

@@ -44,7 +44,7 @@ import torch
 
 from scaledmm import backends, jit, kernel_tuning
 from scaledmm.backends import Backend, Family, Problem
-from scaledmm.device import NUM_SMS_H200, sm_count
+from scaledmm.device import NUM_SMS_H200, pdl, sm_count
 from scaledmm.ops import nvfp4_gemv as gv
 
 FAMILY = Family.NVFP4
@@ -272,7 +272,8 @@ def launch(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torc
 
     ``x`` a 16-bit activation [M, K] (rows 16-byte aligned) in
     :func:`permute_k` order, ``b`` packed e2m1 [N, K / 2] with swizzled
-    ``b_scales``; validated arguments, M >= 1.
+    ``b_scales``; validated arguments, M >= 1.  With
+    :func:`scaledmm.device.pdl` the launch is a programmatic dependent one.
     """
     m = x.shape[0]
     n, k = b.shape[0], 2 * b.shape[1]
@@ -281,6 +282,7 @@ def launch(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torc
                          f"strides {tuple(b_scales.stride())} at {b_scales.data_ptr() % 16} mod 16")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     cfg = cfg or choose_config(n, k, m, sm_count(dev))
+    use_pdl = pdl(x.device)
     spec = kernel_spec(n, k, cfg, out.dtype, None if bias is None else bias.dtype, x.dtype)
     x_map = jit.tensor_map_2d(x.data_ptr(), 2 if x.dtype == torch.float16 else 3, k, m,
                               x.stride(0) * x.element_size(), K_MULTIPLE, cfg.tile_m, 128)
@@ -288,7 +290,7 @@ def launch(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torc
     s_map = jit.tensor_map_2d(b_scales.data_ptr(), 1, 256, b_scales.numel() // 256, 256, 256, 2, 0)
     spec.kernel().launch(cfg.grid(n, m), cfg.threads(),
                          (x_map, w_map, s_map, alpha, bias, out, ctypes.c_int(m)),
-                         device=x.device, shared_mem=cfg.smem_bytes())
+                         device=x.device, shared_mem=cfg.smem_bytes(), pdl=use_pdl)
     return out
 
 

@@ -3,8 +3,12 @@ scaledmm ops.
 
 Use it as::
 
-    model = torch.compile(model, dynamic=True,
-                          options={"post_grad_custom_post_pass": scaledmm.compile.passes()})
+    model = torch.compile(model, dynamic=True, options=scaledmm.compile.options())
+
+which is ``{"post_grad_custom_post_pass": scaledmm.compile.passes(),
+"triton.enable_pdl": True}``: on sm90 and newer our kernels launch with
+programmatic dependent launch (``scaledmm.device.pdl``), and Inductor's own
+kernels pair with them only when it is on (what it gains: benchmarks/RESULTS.md).
 
 It rewrites, in this order:
 
@@ -40,7 +44,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-__all__ = ["ScaledMMPass", "passes"]
+__all__ = ["ScaledMMPass", "passes", "options"]
 
 _ops = torch.ops.scaledmm
 _aten = torch.ops.aten
@@ -370,3 +374,20 @@ def passes() -> ScaledMMPass:
     >>> f = torch.compile(lambda x: x + 1, options={"post_grad_custom_post_pass": p})
     """
     return ScaledMMPass()
+
+
+def options(pdl: bool = True) -> dict[str, Any]:
+    """``torch.compile`` options for models that use scaledmm ops: the pass
+    (:func:`passes`) and, with ``pdl``, Inductor's programmatic dependent
+    launch (``triton.enable_pdl``), so its kernels and ours overlap their
+    launches on sm90 and newer (it is ignored elsewhere).
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> opts = scaledmm.compile.options()
+    >>> sorted(opts)
+    ['post_grad_custom_post_pass', 'triton.enable_pdl']
+    >>> f = torch.compile(lambda x: x + 1, options=opts)
+    """
+    return {"post_grad_custom_post_pass": passes(), "triton.enable_pdl": bool(pdl)}

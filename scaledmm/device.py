@@ -1,5 +1,6 @@
-"""Device facts the ops consult: SM count, compute capability, and whether
-Triton runs in its CPU interpreter.
+"""Device facts the ops consult: SM count, compute capability, whether
+Triton runs in its CPU interpreter, and whether our kernels launch with
+programmatic dependent launch (PDL).
 
 ``sm_count`` is cached per device index (fixed for a process).
 ``capability`` is not cached here: tests stand in for a GPU by patching
@@ -22,7 +23,9 @@ import sys
 
 import torch
 
-__all__ = ["NUM_SMS_H200", "sm_count", "capability", "interpreting"]
+from scaledmm import env
+
+__all__ = ["NUM_SMS_H200", "sm_count", "capability", "interpreting", "pdl", "triton_pdl"]
 
 #: SMs of an H200 (sm90): the SM count the measured tuning tables assume.
 NUM_SMS_H200 = 132
@@ -91,3 +94,44 @@ def interpreting() -> bool:
     if knobs is not None:
         return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether our kernels launch on ``device`` with programmatic dependent
+    launch (PDL): a CUDA device of sm90 or newer, Triton not interpreting,
+    and ``SCALEDMM_PDL`` not switched off.
+
+    A kernel launched so may start while the previous kernel on the stream
+    finishes; each of ours waits for it (``griddepcontrol.wait``) before its
+    first read of an input another kernel may write and before any write,
+    and only requests L2 prefetches of its weight before that.  It then lets
+    the next kernel launch.  Either way the results are the same bits.
+
+    Examples
+    --------
+    >>> import torch
+    >>> pdl(torch.device("cpu"))
+    False
+    """
+    if device.type != "cuda" or not env.pdl() or interpreting():
+        return False
+    return _pdl_capable(_index(device))
+
+
+def triton_pdl(device: torch.device) -> dict:
+    """Launch keywords of a Triton kernel with a ``PDL: tl.constexpr``
+    parameter: ``PDL`` (the kernel then calls ``gdc_wait`` before its loads
+    and ``gdc_launch_dependents`` after it) and Triton's ``launch_pdl``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> triton_pdl(torch.device("cpu"))
+    {'PDL': False}
+    """
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}

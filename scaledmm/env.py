@@ -29,7 +29,7 @@ from typing import Any, Mapping
 __all__ = [
     "VARIABLES", "backend_var", "is_switch_var", "raw", "text", "get", "switched_on", "switch_on", "cache_dir",
     "jit_no_build", "nvcc", "cutlass_include", "nvfp4_predecode_w",
-    "nvfp4_triton_decode", "skinny_kernel",
+    "nvfp4_triton_decode", "skinny_kernel", "pdl",
 ]
 
 _PREFIX = "SCALEDMM_"
@@ -46,6 +46,7 @@ NVFP4_MID = _PREFIX + "NVFP4_MID"
 NVFP4_DECODE_CUBLAS = _PREFIX + "NVFP4_DECODE_CUBLAS"
 NVFP4_WGMMA = _PREFIX + "NVFP4_WGMMA"
 FP8_GEMV = _PREFIX + "FP8_GEMV"
+PDL = _PREFIX + "PDL"
 
 #: name -> "effect (default)".  Family backend variables are listed by
 #: :func:`backend_var`'s family names in the README.
@@ -63,6 +64,7 @@ VARIABLES: dict[str, str] = {
     NVFP4_DECODE_CUBLAS: "0 or empty: decode_cublas leaves nvfp4 automatic selection (default on)",
     NVFP4_WGMMA: "0 or empty: cuda_wgmma leaves nvfp4 automatic selection (default on)",
     FP8_GEMV: "0 or empty: cuda_gemv leaves fp8 and fp8_block automatic selection (default on)",
+    PDL: "0 or empty: our kernels launch without programmatic dependent launch (default on, sm90 and newer)",
 }
 
 _SWITCH = re.compile(r"^SCALEDMM_[A-Z0-9_]+$")
@@ -239,3 +241,16 @@ def skinny_kernel() -> str:
     'reg'
     """
     return os.environ.get(SKINNY_KERNEL, "reg")
+
+
+def pdl() -> bool:
+    """``SCALEDMM_PDL``: a switch (:func:`switched_on`), read at every launch.
+
+    Examples
+    --------
+    >>> import os; os.environ[PDL] = "0"; pdl()
+    False
+    >>> del os.environ[PDL]; pdl()
+    True
+    """
+    return switched_on(text(raw(PDL)))

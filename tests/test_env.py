@@ -240,3 +240,24 @@ def test_doctests(mod):
         os.environ.clear()
         os.environ.update(saved)
     assert result.attempted > 0 and result.failed == 0, result
+
+
+@pytest.mark.parametrize("cap,var,interp,want", [
+    ((9, 0), None, False, True), ((10, 0), "1", False, True), ((9, 0), "0", False, False),
+    ((9, 0), "", False, False), ((8, 9), None, False, False), ((9, 0), None, True, False),
+])
+def test_pdl_by_capability_switch_and_interpreter(monkeypatch, cap, var, interp, want):
+    """Our launches use PDL on sm90+ CUDA devices unless SCALEDMM_PDL is off or
+    Triton interprets; the Triton launch keywords follow (no GPU needed)."""
+    monkeypatch.setattr(device, "_pdl_capable", lambda index, c=cap: c[0] >= 9)
+    monkeypatch.setattr(device, "interpreting", lambda: interp)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    if var is None:
+        monkeypatch.delenv(env.PDL, raising=False)
+    else:
+        monkeypatch.setenv(env.PDL, var)
+    cuda = torch.device("cuda", 0)
+    assert device.pdl(cuda) is want
+    assert device.triton_pdl(cuda) == ({"PDL": True, "launch_pdl": True} if want else {"PDL": False})
+    assert device.pdl(torch.device("cpu")) is False and device.triton_pdl(torch.device("cpu")) == {"PDL": False}
+    assert device.pdl(torch.device("cuda")) is want  # no index: the current device

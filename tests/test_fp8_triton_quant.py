@@ -193,6 +193,9 @@ def _codegen_main() -> None:
                 "token_chunked": lambda: Q.token_kernel.warmup(
                     x, q, s, m, k, k, 1e-10, BLOCK_M=ck.block_m, BLOCK_K=ck.block_k, ONE_PASS=False,
                     num_warps=ck.num_warps, **flags),
+                "token_pdl": lambda: Q.token_kernel.warmup(
+                    x, q, s, m, k, k, 1e-10, BLOCK_M=tk.block_m, BLOCK_K=tk.block_k, ONE_PASS=True,
+                    num_warps=tk.num_warps, PDL=True, launch_pdl=True, **flags),
             })
         for name, build in builds.items():
             kern = build()
@@ -205,6 +208,10 @@ def _codegen_main() -> None:
                 want += [("div.rn.f32", "div.rn.f32" in ptx), ("no div.full", "div.full" not in ptx)]
                 if not soft:
                     want.append(("cvt e4m3 RNE", "cvt.rn.satfinite.e4m3x2.f32" in ptx))
+            # PDL (scaledmm.device.triton_pdl): wait and trigger in the kernel, the launch flag in its metadata
+            pdl = name.endswith("_pdl")
+            want += [("PDL as asked", pdl == ("griddepcontrol.wait" in ptx) == ("griddepcontrol.launch_dependents" in ptx)
+                      == bool(kern.metadata.launch_pdl))]
             failures += [f"{line}: missing {what}" for what, ok in want if not ok]
         for kern in (Q.scaled_kernel, Q.token_kernel, Q.amax_kernel, Q.tensor_kernel):
             kern.device_caches.clear()  # binders remember the target per device id
