@@ -450,8 +450,8 @@ def run_matrix(op: str, backend: str, dynamic: bool, passes: bool, device: torch
         raise CaseFailed(f"{op} on {backend}: no M of {ms} can run")
     calls = {(m, i): inputs(op, m, w, seed=1000 * m + i) for m in run_ms for i in range(3)}
     options: dict[str, Any] = {"triton.cudagraphs": True}
-    if passes:  # as users are told to compile: the pass and Inductor's PDL (ours is on by default)
-        options.update(sc.options())
+    if passes:  # the pass with Inductor's PDL as well (ours is on by default): the most overlap
+        options.update(sc.options(pdl=True))
     _recompile_limit(64)
     counters.clear()
     compiled = torch.compile(CaseModule(op, w), fullgraph=True, dynamic=dynamic, options=options)

@@ -6,7 +6,7 @@ GPU (skipped without CUDA), each case in a fresh process of
 earlier test ran can have allocated what the case needs:
 
 * every op x every backend this GPU runs x {dynamic=True, False} x {with
-  ``scaledmm.compile.options()`` (the pass and Inductor's PDL), without},
+  ``scaledmm.compile.options(pdl=True)`` (the pass and Inductor's PDL), without},
   compiled with Inductor's CUDA
   graphs (``reduce-overhead``), equals eager for every M the backend takes;
 * two captured graphs replayed at the same time on two streams equal

@@ -27,6 +27,24 @@ def test_uuid_is_stable():
     assert isinstance(sc.passes().uuid(), (str, bytes))
 
 
+def test_options_carry_the_pass_and_pdl_only_when_asked():
+    import torch._inductor.config as inductor_config
+
+    opts = sc.options()
+    assert list(opts) == ["post_grad_custom_post_pass"]
+    assert opts["post_grad_custom_post_pass"].uuid() == sc.passes().uuid()
+    assert sc.options(pdl=True)["triton.enable_pdl"] is True
+    # torch.compile takes them as they are, and the PDL switch holds for that compile only
+    before = inductor_config.triton.enable_pdl
+    torch._dynamo.reset()
+    m = BlockModel()
+    x = torch.randn(3, 640, dtype=torch.bfloat16)
+    cm = torch.compile(m, fullgraph=True, options=sc.options(pdl=True))
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x), torch.compile(m, fullgraph=True, options=sc.options())(x), rtol=0, atol=0)
+    assert inductor_config.triton.enable_pdl == before
+
+
 def test_fp8_block_cond_lowered_and_quant_fused():
     m = BlockModel()
     p = sc.passes()

@@ -5,10 +5,12 @@ Use it as::
 
     model = torch.compile(model, dynamic=True, options=scaledmm.compile.options())
 
-which is ``{"post_grad_custom_post_pass": scaledmm.compile.passes(),
-"triton.enable_pdl": True}``: on sm90 and newer our kernels launch with
-programmatic dependent launch (``scaledmm.device.pdl``), and Inductor's own
-kernels pair with them only when it is on (what it gains: benchmarks/RESULTS.md).
+which is ``{"post_grad_custom_post_pass": scaledmm.compile.passes()}``.  On
+sm90 and newer our kernels launch with programmatic dependent launch
+(``scaledmm.device.pdl``); ``options(pdl=True)`` also turns on Inductor's
+(``triton.enable_pdl``), so its kernels and ours overlap their launches:
+a graph compiled for decode batches gains by it, one for hundreds of rows
+loses (benchmarks/RESULTS.md, "PDL").
 
 It rewrites, in this order:
 
@@ -376,18 +378,27 @@ def passes() -> ScaledMMPass:
     return ScaledMMPass()
 
 
-def options(pdl: bool = True) -> dict[str, Any]:
+def options(pdl: bool = False) -> dict[str, Any]:
     """``torch.compile`` options for models that use scaledmm ops: the pass
     (:func:`passes`) and, with ``pdl``, Inductor's programmatic dependent
-    launch (``triton.enable_pdl``), so its kernels and ours overlap their
-    launches on sm90 and newer (it is ignored elsewhere).
+    launch (``triton.enable_pdl``; ignored below sm90).
+
+    ``pdl=True`` suits graphs that run decode batches (M up to about 8),
+    where every kernel's launch and ramp are a large share of its time.  On
+    the H200's Llama-3-8B layer it moved NVFP4 at M = 1 from 72.4 to 68.1 us
+    and FP8 per-channel from 83.1 to 78.6, but FP8 at M = 512 from 218 to
+    249 us: leave it off for graphs that serve large batches.
 
     Examples
     --------
     >>> import torch, scaledmm
-    >>> opts = scaledmm.compile.options()
-    >>> sorted(opts)
-    ['post_grad_custom_post_pass', 'triton.enable_pdl']
-    >>> f = torch.compile(lambda x: x + 1, options=opts)
+    >>> sorted(scaledmm.compile.options())
+    ['post_grad_custom_post_pass']
+    >>> scaledmm.compile.options(pdl=True)["triton.enable_pdl"]
+    True
+    >>> f = torch.compile(lambda x: x + 1, options=scaledmm.compile.options())
     """
-    return {"post_grad_custom_post_pass": passes(), "triton.enable_pdl": bool(pdl)}
+    opts: dict[str, Any] = {"post_grad_custom_post_pass": passes()}
+    if pdl:
+        opts["triton.enable_pdl"] = True
+    return opts

@@ -161,9 +161,11 @@ def _codegen_main() -> None:
         for ue8m0 in (False, True):  # the quantizer: exact division, RNE e4m3 conversion
             x = torch.empty(64, 512, dtype=torch.bfloat16)
             q = ft.bytes_view(torch.empty(64, 512, dtype=torch.float8_e4m3fn), widen)
+            pdl = {"PDL": True, "launch_pdl": True} if cap >= 90 and ue8m0 else {}  # as device.triton_pdl asks
             kern = ft.quant_kernel.warmup(
                 x, q, torch.empty(64, 4), 64, 512, 512, 4, 1, 1e-10, GROUP=128, GP=128,
-                NUM_GROUPS=4, ROWS=16, TOKEN_MINOR=False, UE8M0=ue8m0, SOFT_CVT=soft, WIDEN=widen, INTERPRET=False, num_warps=4, grid=(1,))
+                NUM_GROUPS=4, ROWS=16, TOKEN_MINOR=False, UE8M0=ue8m0, SOFT_CVT=soft, WIDEN=widen, INTERPRET=False, num_warps=4, grid=(1,),
+                **pdl)
             ptx = kern.asm["ptx"]
             line = f"sm{cap} quant ue8m0={ue8m0} {usage(kern)}"
             if not soft:  # 16 B per thread: the bf16 loads must be vectorized
@@ -174,6 +176,7 @@ def _codegen_main() -> None:
             if not soft:
                 want.append(("cvt e4m3 RNE", "cvt.rn.satfinite.e4m3x2.f32" in ptx))
                 want.append(("16-byte loads", want_vec))
+            want.append(("PDL as asked", bool(pdl) == ("griddepcontrol.wait" in ptx) == bool(kern.metadata.launch_pdl)))
             failures += [f"{line}: missing {what}" for what, ok in want if not ok]
         ft.quant_kernel.device_caches.clear()
         ws, out = torch.empty(4, 3, 2112), torch.empty(3, 2112, dtype=torch.bfloat16)
