@@ -647,8 +647,8 @@ def _run_family(args, device: torch.device, cfg: TimingConfig, env: dict, ceil, 
         write_gen_csv(out_dir / "model_generate.csv", gres)
         method = ("HF generate, greedy, static cache reused across calls, decode step "
                   + ("not compiled (--compile off)" if compile_mode == "off" else f"compiled ({compile_mode}"
-                     + (", fullgraph, CUDA graphs, post-grad pass scaledmm.compile.passes())"
-                        if compile_mode == "inductor" else ", fullgraph)"))
+                     + (", fullgraph, CUDA graphs, post-grad pass scaledmm.compile.passes()"
+                        + (", Inductor PDL)" if pdl else ")") if compile_mode == "inductor" else ", fullgraph)"))
                   + f"; decode ms/step = (t(prompt + {args.gen_tokens} tokens) - t(prompt + 1 token)) / "
                   f"{args.gen_tokens - 1}, wall clock around synchronized calls, median of {reps} pairs after two "
                   "warm-up generates; GPU ms/step: the same difference of one pair under torch.profiler (CUDA "

@@ -418,7 +418,8 @@ def _rows_block(ca, cb, gs, rgs, HW_E4M3: tl.constexpr, INPUT: tl.constexpr, COD
 def _rows_kernel(x_ptr, gs_ptr, q_ptr, s_ptr, M, K, stride_xm, s_rows, s_cols, s_c4,
                  SWIZZLE: tl.constexpr, HW_E4M3: tl.constexpr,
                  INPUT: tl.constexpr, CODES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, RPS: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, RPS: tl.constexpr, PREFETCH: tl.constexpr,
+                 PDL: tl.constexpr = False):
     if PDL:  # scaledmm.device.pdl
         gdc_wait()
         gdc_launch_dependents()

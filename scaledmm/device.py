@@ -107,10 +107,11 @@ def pdl(device: torch.device) -> bool:
     and ``SCALEDMM_PDL`` not switched off.
 
     A kernel launched so may start while the previous kernel on the stream
-    finishes; each of ours waits for it (``griddepcontrol.wait``) before its
-    first read of an input another kernel may write and before any write,
-    and only requests L2 prefetches of its weight before that.  It then lets
-    the next kernel launch.  Either way the results are the same bits.
+    finishes; each of ours waits for it (``griddepcontrol.wait``) before any
+    global read or write, then lets the next kernel launch (so a kernel
+    after ours never starts before ours has waited).  Either way the results
+    are the same bits.  The decode passes in front of ``cuda_wgmma`` do not
+    use it: chained early launches there cost time (benchmarks/NOTES.md).
 
     Examples
     --------

@@ -12,7 +12,10 @@ and count.  The layer's ``benchmarks model`` time (graph replay, cold L2)
 minus this sum is what the launches between kernels cost inside the graph;
 the kernel list says which ops the format adds (quantizers, pads, casts).
 Warm L2: the weights of one layer copy are re-read every call, so the big
-GEMMs read less from HBM than in the cold-L2 table.  Writes
+GEMMs read less from HBM than in the cold-L2 table.  ``--inductor-pdl``
+compiles with Inductor's PDL (``scaledmm.compile.options(pdl=True)``): a
+kernel's duration then includes the time its early-launched CTAs wait, and
+a kernel that overlaps waiting successors shows what they cost it.  Writes
 ``layer_profile.json`` to ``$OUT`` when set.
 """
 
@@ -24,6 +27,7 @@ import json
 import os
 
 import torch
+import torch._inductor.config as inductor_config
 
 from benchmarks.model import BASE, _layer_base, compiler, quantize, release
 
@@ -77,16 +81,17 @@ def main() -> None:
     p.add_argument("--formats", default="nvfp4,nvfp4_w4a16")
     p.add_argument("--m", default="1,8,64")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--inductor-pdl", action="store_true", help="Inductor's PDL on (triton.enable_pdl)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ms = [int(v) for v in args.m.split(",")]
-    results = []
-    for fmt in (BASE, *[f for f in args.formats.split(",") if f]):
-        for r in profile(args.model, fmt, ms, args.reps, device):
-            results.append(r)
-            print(f"{r['format']} M={r['m']}: device {r['device_us']:.1f} us/call, {r['events']:.0f} events")
-            for k, us, n in r["kernels"]:
-                print(f"    {us:8.2f} us x{n:g}  {k}")
+    with inductor_config.patch({"triton.enable_pdl": bool(args.inductor_pdl)}):
+        results = [r for fmt in (BASE, *[f for f in args.formats.split(",") if f])
+                   for r in profile(args.model, fmt, ms, args.reps, device)]
+    for r in results:
+        print(f"{r['format']} M={r['m']}: device {r['device_us']:.1f} us/call, {r['events']:.0f} events")
+        for k, us, n in r["kernels"]:
+            print(f"    {us:8.2f} us x{n:g}  {k}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "layer_profile.json"), "w") as f:
             json.dump(results, f, indent=1)
