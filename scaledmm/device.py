@@ -25,7 +25,7 @@ import torch
 
 from scaledmm import env
 
-__all__ = ["NUM_SMS_H200", "sm_count", "capability", "interpreting", "pdl", "triton_pdl"]
+__all__ = ["NUM_SMS_H200", "sm_count", "capability", "interpreting", "pdl", "pdl_capable", "triton_pdl"]
 
 #: SMs of an H200 (sm90): the SM count the measured tuning tables assume.
 NUM_SMS_H200 = 132
@@ -97,7 +97,15 @@ def interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_capable(index: int) -> bool:
+def pdl_capable(index: int) -> bool:
+    """Whether CUDA device ``index`` has programmatic dependent launch
+    (sm90 or newer); cached per index (tests patch it to stand in for one).
+
+    Examples
+    --------
+    >>> pdl_capable(0)  # an H200  # doctest: +SKIP
+    True
+    """
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -121,7 +129,7 @@ def pdl(device: torch.device) -> bool:
     """
     if device.type != "cuda" or not env.pdl() or interpreting():
         return False
-    return _pdl_capable(_index(device))
+    return pdl_capable(_index(device))
 
 
 def triton_pdl(device: torch.device) -> dict:

@@ -249,7 +249,7 @@ def test_doctests(mod):
 def test_pdl_by_capability_switch_and_interpreter(monkeypatch, cap, var, interp, want):
     """Our launches use PDL on sm90+ CUDA devices unless SCALEDMM_PDL is off or
     Triton interprets; the Triton launch keywords follow (no GPU needed)."""
-    monkeypatch.setattr(device, "_pdl_capable", lambda index, c=cap: c[0] >= 9)
+    monkeypatch.setattr(device, "pdl_capable", lambda index, c=cap: c[0] >= 9)
     monkeypatch.setattr(device, "interpreting", lambda: interp)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     if var is None:
