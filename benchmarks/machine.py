@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from scaledmm import device as scaledmm_device
+
 from .timing import percentile, synchronize
 
 __all__ = ["Ceilings", "measure_ceilings", "environment", "REPO_ROOT"]
@@ -163,7 +165,8 @@ def _commit() -> str:
 
 
 def environment(device: torch.device) -> dict[str, str]:
-    """Date, device, driver, library versions and git commit, for report headers.
+    """Date, device, driver, library versions, git commit and whether our
+    kernels launch with PDL (:func:`scaledmm.device.pdl`), for report headers.
 
     Examples
     --------
@@ -188,4 +191,6 @@ def environment(device: torch.device) -> dict[str, str]:
                         f"cuda-core {_version('cuda-core')})"),
         "python": platform.python_version(),
         "commit": _commit(),
+        "pdl": ("our kernels launch with programmatic dependent launch (SCALEDMM_PDL=0: off)"
+                if scaledmm_device.pdl(device) else "off"),
     }
