@@ -32,8 +32,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from scaledmm.env import pdl as env_pdl
-
 from .harness import BASELINE, OURS, Result, rel_err
 from .shapes import CPU_M, MODEL_M, Shape, parse_ms
 from .timing import TimingConfig, copies_for, measure, synchronize
@@ -586,7 +584,7 @@ def run_family(args, device: torch.device, cfg: TimingConfig, env: dict, ceil, o
     ``--inductor-pdl`` holds for the run only."""
     import torch._inductor.config as inductor_config
 
-    pdl = bool(getattr(args, "inductor_pdl", False)) and device.type == "cuda"
+    pdl = args.inductor_pdl and device.type == "cuda"
     with inductor_config.patch({"triton.enable_pdl": pdl}):
         return _run_family(args, device, cfg, env, ceil, out_dir, pdl)
 
@@ -620,8 +618,6 @@ def _run_family(args, device: torch.device, cfg: TimingConfig, env: dict, ceil, 
                   f"each layer compiled ({compile_mode}, fullgraph, M dynamic"
                   + (", post-grad pass scaledmm.compile.passes()" if compile_mode == "inductor" else "")
                   + (", Inductor PDL (triton.enable_pdl))" if pdl else ")"))
-        if device.type == "cuda" and not env_pdl():
-            method += " (SCALEDMM_PDL=0: our kernels without PDL)"
         method += (", checked against a float64 run of the unquantized layer (relative L2 error of "
                    "output - input), then timed: ")
         method += (f"CUDA-graph replay of one pass over enough layer copies to exceed {cfg.rotate_bytes >> 20} MiB "
