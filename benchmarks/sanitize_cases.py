@@ -450,6 +450,40 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool):
     return close(out, ref, 1e-2, first)
 
 
+def case_fp8_wgmma(ctx: Ctx, split: bool):
+    """cuda_wgmma of fp8 (csrc/fp8_wgmma.cu: TMA ring, producer warp, e4m3
+    wgmma): ``fp8_scaled_mm`` per-token x per-channel at M = 100 in two 64-row
+    tiles with K split over a 2-CTA cluster, or through the op at M = 5 with
+    strided rows, per-tensor scales, an fp32 output and a bf16 bias (one
+    16-row tile, one warpgroup, two stages).  N = 208 leaves a partial weight
+    tile, K = 1040 a 16-wide tail stage: rows and columns past the tensors
+    arrive as TMA zeros."""
+    import torch
+
+    import scaledmm
+    from scaledmm.ops import fp8 as f8
+    from scaledmm.ops import fp8_wgmma as fw
+
+    m, n, k = (100 if split else 5), 208, 1040
+    a, sa = f8.reference_quant(ctx.randn(m, k, scale=2.0), None, split)
+    b, sb = f8.reference_quant(ctx.randn(n, k), None, split)
+    sb = sb.reshape(-1)
+    ref = (a.double() * sa.double().reshape(-1, 1)) @ (b.double() * sb.double().reshape(-1, 1)).t()
+    if split:
+        d = [t.to(ctx.dev) for t in (a, b, sa, sb)]
+        need_backend("fp8", "cuda_wgmma", f8.mm_problem(d[0], d[1], f8.TOKEN, f8.CHANNEL, None, torch.bfloat16))
+        cfg = fw.WgmmaConfig(64, 2, 4, 2)
+        first, out = ctx.twice(lambda: fw.launch(*d, None, f8.mm_output(d[0], d[1], torch.bfloat16), cfg))
+        return close(out, ref, 1e-2, first)
+    bias = ctx.randn(n, dtype=torch.bfloat16)
+    a_d = ctx.strided(a)
+    d = [t.to(ctx.dev) for t in (b, sa, sb, bias)]
+    need_backend("fp8", "cuda_wgmma", f8.mm_problem(a_d, d[0], f8.TENSOR, f8.TENSOR, d[3], torch.float32))
+    cfg = fw.WgmmaConfig(16, 1, 2, 1)
+    first, out = ctx.twice(lambda: fw.wgmma_mm(a_d, *d, torch.float32, cfg=cfg))
+    return close(out, ref + bias.double(), 1e-2, first)
+
+
 def case_nvfp4_mid_ring(ctx: Ctx):
     """cuda_mid with the cp.async weight ring (``MidConfig.ring``, not in any
     table yet): W4A4 at M = 100 (two 64-row slices), strided, split K in two
@@ -619,6 +653,8 @@ CHILD_CASES = {
     "nvfp4_wgmma_w4a4": lambda ctx: case_nvfp4_wgmma(ctx, False),
     "nvfp4_wgmma_w4a16": lambda ctx: case_nvfp4_wgmma(ctx, True),
     "nvfp4_decode_cublas": case_nvfp4_decode_cublas,
+    "fp8_wgmma_split": lambda ctx: case_fp8_wgmma(ctx, True),
+    "fp8_wgmma_tensor": lambda ctx: case_fp8_wgmma(ctx, False),
     "fp8_tri_quant": case_fp8_quant,
     "skinny_v1": lambda ctx: case_skinny(ctx, "reg"),
     "skinny_v2": lambda ctx: case_skinny(ctx, "tma"),

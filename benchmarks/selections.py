@@ -53,6 +53,7 @@ CASES: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "nvfp4_wgmma_off": (("nvfp4",), {"SCALEDMM_NVFP4_WGMMA": "0"}),
     "nvfp4_all_off": (("nvfp4",), {"SCALEDMM_NVFP4_GEMV": "0", "SCALEDMM_NVFP4_MID": "0",
                                    "SCALEDMM_NVFP4_DECODE_CUBLAS": "0", "SCALEDMM_NVFP4_WGMMA": "0"}),
+    "fp8_wgmma_off": (("fp8",), {"SCALEDMM_FP8_WGMMA": "0"}),
     "nvfp4_forced_cuda_gemv": (("nvfp4",), {"SCALEDMM_NVFP4_BACKEND": "cuda_gemv"}),
     "fp8_block_forced_cutlass": (("fp8_block",), {"SCALEDMM_FP8_BLOCK_BACKEND": "cutlass"}),
 }

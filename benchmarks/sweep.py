@@ -143,8 +143,15 @@ def _fp8_gemv_configs(args, device):
     return fg.candidate_configs(b.shape[0], b.shape[1], fg.m_bucket(x.shape[0]))
 
 
+def _fp8_wgmma_configs(args, device):
+    from scaledmm.ops import fp8_wgmma as fw
+
+    a, b = args[0], args[1]
+    return fw.candidate_configs(b.shape[0], b.shape[1], a.shape[0])
+
+
 _GEMV, _MID, _FP8_GEMV = "scaledmm.ops.nvfp4_gemv", "scaledmm.ops.nvfp4_mid", "scaledmm.ops.fp8_gemv"
-_WGMMA = "scaledmm.ops.nvfp4_wgmma"
+_WGMMA, _FP8_WGMMA = "scaledmm.ops.nvfp4_wgmma", "scaledmm.ops.fp8_wgmma"
 KERNELS: dict[str, SweepKernel] = {
     "fp8_block_triton": SweepKernel("fp8_block", "fp8_block_mm", "scaledmm.ops.fp8_block_triton.MMConfig",
                                     _fp8_block_triton_configs, _fp8_block_triton_call, _always, "dsv3",
@@ -167,6 +174,9 @@ KERNELS: dict[str, SweepKernel] = {
     "nvfp4_wgmma": SweepKernel("nvfp4", "nvfp4_w4a16_mm", f"{_WGMMA}.WgmmaConfig", _wgmma_configs,
                                _cuda_call(_WGMMA, "wgmma_w4a16"), _gate(_WGMMA), "llama8b",
                                (64, 128, 256, 512, 1024, 4096)),
+    "fp8_wgmma": SweepKernel("fp8", "fp8_scaled_mm", f"{_FP8_WGMMA}.WgmmaConfig", _fp8_wgmma_configs,
+                             _cuda_call(_FP8_WGMMA, "wgmma_mm"), _gate(_FP8_WGMMA), "llama8b",
+                             (8, 16, 32, 64, 128, 256)),
 }
 
 

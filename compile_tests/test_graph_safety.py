@@ -257,6 +257,8 @@ def test_gpu_backends_are_planned_on_the_m_they_take():
         assert (op, "cuda_gemv") in gpu_cases
         assert plan(op, "cuda_gemv") == [3, 1, 4, 0], op
     assert plan("fp8_scaled_mm", "triton") == every
+    assert ("fp8_scaled_mm", "cuda_wgmma") in gpu_cases
+    assert plan("fp8_scaled_mm", "cuda_wgmma") == every  # TMA zero-fills rows past M; unaligned rows copied
 
 
 def test_held_walk_finds_what_an_op_could_keep(monkeypatch):

@@ -46,6 +46,7 @@ NVFP4_MID = _PREFIX + "NVFP4_MID"
 NVFP4_DECODE_CUBLAS = _PREFIX + "NVFP4_DECODE_CUBLAS"
 NVFP4_WGMMA = _PREFIX + "NVFP4_WGMMA"
 FP8_GEMV = _PREFIX + "FP8_GEMV"
+FP8_WGMMA = _PREFIX + "FP8_WGMMA"
 PDL = _PREFIX + "PDL"
 
 #: name -> "effect (default)".  Family backend variables are listed by
@@ -64,6 +65,7 @@ VARIABLES: dict[str, str] = {
     NVFP4_DECODE_CUBLAS: "0 or empty: decode_cublas leaves nvfp4 automatic selection (default on)",
     NVFP4_WGMMA: "0 or empty: cuda_wgmma leaves nvfp4 automatic selection (default on)",
     FP8_GEMV: "0 or empty: cuda_gemv leaves fp8 and fp8_block automatic selection (default on)",
+    FP8_WGMMA: "0 or empty: cuda_wgmma leaves fp8 automatic selection (default on)",
     PDL: "0 or empty: our kernels launch without programmatic dependent launch (default on, sm90 and newer)",
 }
 

@@ -1,0 +1,377 @@
+// FP8 (e4m3) GEMM with per-tensor / per-row / per-column scales for Hopper,
+// from one activation row to a few hundred: both operands come by TMA into a
+// shared-memory ring and meet on wgmma's e4m3 tensor cores.
+//
+//     out[m, n] = sum_k a[m, k] b[n, k] * sa[m] * sb[n] (+ bias[n])
+//
+// a: e4m3 [m, K] (rows 16-byte aligned); b: e4m3 [N, K] contiguous; sa / sb
+// fp32, one element (step 0) or one per row / column (step 1).  Compiled at
+// run time with NVRTC; one cubin per (N, K, config, output / bias dtype):
+//
+//   G_N, G_K     problem size (K % 16 == 0; any N >= 1)
+//   G_BT         activation rows per CTA: the wgmma N (16, 32, 64, 128)
+//   G_WG         consumer warpgroups (1 or 2): the CTA owns BN = 64 G_WG
+//                weight rows, 64 per warpgroup (the wgmma M)
+//   G_ST         pipeline stages of 128 K (2 .. 8)
+//   G_SPLIT      CTAs per cluster along K (1, 2, 4); partial tiles added
+//                through distributed shared memory in rank order
+//   G_OUT        0: bf16, 1: fp16, 2: fp32 output
+//   G_BIAS       0: none, 1: fp32, 2: bf16, 3: fp16 bias
+//
+// Design:
+//  * Swap AB: weight rows are the MMA's M (64 per warpgroup whatever the
+//    batch), activation rows its N (16-128 per CTA), so a decode-sized batch
+//    wastes no MMA rows and the weight streams through once.
+//  * One producer warp (one lane) fills a ring of G_ST stages with TMA: the
+//    activation tile and the weight tile, 128 bytes of K per row, both in the
+//    128-byte swizzle wgmma reads K-major (8-row groups 1024 bytes apart).
+//    Rows past m / N and columns past K arrive as zeros, so K needs no tail
+//    code.  Each stage has a full barrier (expect_tx) and an empty one (one
+//    arrival per consumer warp, once the MMAs that read the slot retired).
+//  * fp32 accumulation: every k32 wgmma writes a fresh fragment (scale-d 0)
+//    that is added to the fp32 accumulators; chained inside the tensor core
+//    the e4m3 sums lose bits against fp32 (fp8_gemv.cu found the same for
+//    mma.sync).  A stage's four steps go in one group of four fragments (BT
+//    <= 32) or two groups of two, each group retired with wait_group 0
+//    before its fragments are added: ptxas serializes every wgmma of a loop
+//    whose accumulators are read while any wgmma is in flight.  The second
+//    warpgroup and the other CTAs of the SM keep the tensor cores busy
+//    meanwhile; the kernel is bound by the weight's bytes where it is used.
+//  * Epilogue from the accumulators: (acc * sa[m]) * sb[n] (+ bias), one
+//    rounding to the output dtype.  Split K: each rank's fp32 tile to its
+//    shared memory, rank 0 adds ranks 1.. in order.  Deterministic, no
+//    workspace, no atomics, CUDA-graph safe (the tensor maps are kernel
+//    parameters, captured by value).
+//  * Programmatic dependent launch (a no-op without it): after the barrier
+//    set-up every thread waits for the previous grid (griddepcontrol.wait)
+//    before any TMA load or global access, then lets the next grid launch.
+
+#include "fused_a_ptx.cuh"
+
+#ifndef G_N
+#error "G_N (output columns) must be defined"
+#endif
+#ifndef G_K
+#error "G_K (reduction length) must be defined"
+#endif
+#ifndef G_BT
+#define G_BT 64
+#endif
+#ifndef G_WG
+#define G_WG 2
+#endif
+#ifndef G_ST
+#define G_ST 4
+#endif
+#ifndef G_SPLIT
+#define G_SPLIT 1
+#endif
+#ifndef G_OUT
+#define G_OUT 0
+#endif
+#ifndef G_BIAS
+#define G_BIAS 0
+#endif
+
+namespace f8w {
+
+using namespace fa_ptx;
+
+constexpr int N = G_N;
+constexpr int K = G_K;
+constexpr int BT = G_BT;
+constexpr int WGS = G_WG;
+constexpr int BN = 64 * WGS;
+constexpr int STAGES = G_ST;
+constexpr int SPLIT = G_SPLIT;
+constexpr int THREADS = 128 * WGS;  // consumer threads
+constexpr int THREADS_ALL = THREADS + 32;  // + the producer warp
+constexpr int KB = 128;  // K per stage: one 128-byte swizzle row of e4m3
+constexpr int NKB = (K + KB - 1) / KB;
+constexpr int ACC = BT / 2;  // fp32 accumulators per thread (m64 x BT over 128 threads)
+// k32 steps in flight together, each into its own fresh fragment: the whole
+// stage while the fragments are small, else two groups of two.
+constexpr int FR = ACC <= 16 ? 4 : 2;
+constexpr int X_BYTES = BT * 128;
+constexpr int W_BYTES = BN * 128;
+constexpr int STAGE_BYTES = X_BYTES + W_BYTES;  // both multiples of the 1024-byte swizzle atom
+constexpr int RED_BYTES = SPLIT > 1 ? ACC * THREADS * 4 : 0;
+constexpr int BODY_BYTES = STAGES * STAGE_BYTES > RED_BYTES ? STAGES * STAGE_BYTES : RED_BYTES;
+constexpr int SMEM_BYTES = BODY_BYTES + 16 * STAGES + 1024;  // + barriers, + aligning the base to 1024
+static_assert(SMEM_BYTES <= 227 * 1024, "the stages (or the split-K tile) exceed the shared memory of an SM");
+
+static_assert(K % 16 == 0 && K > 0, "K must be a positive multiple of 16");
+static_assert(BT == 16 || BT == 32 || BT == 64 || BT == 128, "G_BT must be 16, 32, 64 or 128");
+static_assert(WGS == 1 || WGS == 2, "G_WG must be 1 or 2");
+static_assert(STAGES >= 2 && STAGES <= 8, "G_ST must be 2..8");
+static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "G_SPLIT must be 1, 2 or 4");
+static_assert(G_OUT >= 0 && G_OUT <= 2 && G_BIAS >= 0 && G_BIAS <= 3, "G_OUT 0..2, G_BIAS 0..3");
+
+// A CUtensorMap, passed by value (__grid_constant__) and read by the TMA unit.
+struct alignas(64) TmaMap {
+  unsigned long long v[16];
+};
+
+// 2-D tile of a tensor map -> shared memory, completing on ``bar``.
+__device__ __forceinline__ void tma_2d(u32 dst, const TmaMap* map, int c0, int c1, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+}
+
+// Keeps the compiler from moving fragment reads or writes across a wgmma wait.
+__device__ __forceinline__ void pin(float (&d)[ACC]) {
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+__device__ __forceinline__ void add(float (&acc)[ACC], const float (&d)[ACC]) {
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) acc[i] += d[i];
+}
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte
+// swizzle: 8-row groups 1024 bytes apart (stride), leading offset unused.
+// +2 per k32 step (32 bytes; addresses stay below 2^18, so the 14-bit field
+// never carries).
+__device__ __forceinline__ u64 smem_desc(u32 addr) {
+  return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+// D = A (64 x 32, K-major, a_desc) * B (BT x 32, K-major, b_desc), e4m3 in,
+// fp32 out, D not read (scale-d false): one fresh fragment per k32 step.
+__device__ __forceinline__ void wgmma_ss(float (&d)[8], u64 a_desc, u64 b_desc) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 0, 0;\n\t"
+               "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7"
+               "}, %8, %9, p, 1, 1;\n\t}"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+               : "l"(a_desc), "l"(b_desc));
+}
+
+__device__ __forceinline__ void wgmma_ss(float (&d)[16], u64 a_desc, u64 b_desc) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 0, 0;\n\t"
+               "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+               "}, %16, %17, p, 1, 1;\n\t}"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "l"(a_desc), "l"(b_desc));
+}
+
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 a_desc, u64 b_desc) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 0, 0;\n\t"
+               "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"
+               "%26,%27,%28,%29,%30,%31"
+               "}, %32, %33, p, 1, 1;\n\t}"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+                 "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+                 "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+                 "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "l"(a_desc), "l"(b_desc));
+}
+
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 a_desc, u64 b_desc) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 0, 0;\n\t"
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"
+               "%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,"
+               "%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+               "}, %64, %65, p, 1, 1;\n\t}"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+                 "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+                 "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+                 "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                 "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
+                 "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+                 "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+                 "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+               : "l"(a_desc), "l"(b_desc));
+}
+
+__device__ __forceinline__ float bias_at(const void* bias, int n) {
+  if (G_BIAS == 1) return ((const float*)bias)[n];
+  if (G_BIAS == 2) return __uint_as_float((u32)((const unsigned short*)bias)[n] << 16);
+  if (G_BIAS == 3) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(((const unsigned short*)bias)[n]));
+    return f;
+  }
+  return 0.f;
+}
+
+__device__ __forceinline__ void store_out(void* out, float v, int mm, int n) {
+  const long long at = (long long)mm * N + n;
+  if (G_OUT == 2) {
+    ((float*)out)[at] = v;
+  } else {
+    unsigned short h;
+    if (G_OUT == 1) {
+      asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    } else {
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    }
+    ((unsigned short*)out)[at] = h;
+  }
+}
+
+}  // namespace f8w
+
+#if G_SPLIT > 1
+#define G_CLUSTER __cluster_dims__(1, 1, G_SPLIT)
+#else
+#define G_CLUSTER
+#endif
+
+// grid (ceil(m / BT), ceil(N / BN), SPLIT), block 128 * WG + 32, dynamic
+// shared memory f8w::SMEM_BYTES, clusters of (1, 1, SPLIT).  tmap_a: the
+// activation [m, K] (bytes, box 128 x BT, 128-byte swizzle); tmap_b: the
+// weight [N, K] (bytes, box 128 x BN, 128-byte swizzle); both zero-fill past
+// the tensor.  sa[mm * sa_step], sb[n * sb_step]: the scales.  out: [m, N]
+// contiguous.
+extern "C" __global__ void G_CLUSTER __launch_bounds__(f8w::THREADS_ALL, 1)
+fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8w::TmaMap tmap_b,
+          const float* __restrict__ sa, int sa_step, const float* __restrict__ sb, int sb_step,
+          const void* __restrict__ bias, void* __restrict__ out, int m) {
+  using namespace f8w;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const u32 smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const u32 bars = smem0 + BODY_BYTES;  // full[STAGES], then empty[STAGES]
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const bool producer = (tid >> 5) == 4 * WGS;  // the warp after the consumer warpgroups
+  const int m0 = blockIdx.x * BT;
+  const int n0 = blockIdx.y * BN;
+
+  const int per = (NKB + SPLIT - 1) / SPLIT;
+  const int kb0 = blockIdx.z * per;
+  int nk = NKB - kb0 < per ? NKB - kb0 : per;
+  if (nk < 0) nk = 0;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bars + 8 * s, 1);                   // the producer's expect_tx
+      mbar_init(bars + 8 * (STAGES + s), 4 * WGS);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  grid_dependency_wait();
+  launch_dependents();
+  __syncthreads();
+
+  float acc[ACC];
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+
+  if (producer) {
+    if (lane == 0) {
+      for (int i = 0; i < nk; ++i) {
+        const int slot = i % STAGES;
+        mbar_wait(bars + 8 * (STAGES + slot), ((i / STAGES) & 1) ^ 1);  // the slot's last readers are done
+        const u32 full = bars + 8 * slot, base = smem0 + slot * STAGE_BYTES;
+        mbar_expect_tx(full, STAGE_BYTES);
+        tma_2d(base, &tmap_a, (kb0 + i) * KB, m0, full);
+        tma_2d(base + X_BYTES, &tmap_b, (kb0 + i) * KB, n0, full);
+      }
+    }
+    __syncwarp();
+  } else {
+    const int wgi = tid >> 7;
+    const u64 a_desc0 = smem_desc(smem0 + X_BYTES + wgi * 64 * 128);  // this warpgroup's 64 weight rows
+    const u64 b_desc0 = smem_desc(smem0);
+    float f[FR][ACC];  // fresh fragments, one per k32 step of a group
+    u32 slot = 0, phase = 0;
+    for (int i = 0; i < nk; ++i) {
+      mbar_wait(bars + 8 * slot, phase);
+      const u64 off = (u64)((slot * STAGE_BYTES) >> 4);
+#pragma unroll
+      for (int q = 0; q < 4 / FR; ++q) {
+        wgmma_fence();
+#pragma unroll
+        for (int r = 0; r < FR; ++r) {
+          const int j = q * FR + r;
+          wgmma_ss(f[r], a_desc0 + off + 2 * j, b_desc0 + off + 2 * j);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int r = 0; r < FR; ++r) {
+          pin(f[r]);
+          add(acc, f[r]);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + slot));  // the slot's MMAs have retired
+      slot = slot + 1 == STAGES ? 0 : slot + 1;
+      phase ^= slot == 0;
+    }
+  }
+
+#if G_SPLIT > 1
+  __syncthreads();  // every consumer is done with the pipeline's shared memory
+  // partial tile as [i / 4][thread][4]: one 16-byte store / remote load per four accumulators
+  const u32 rank = cluster_rank();
+  if (!producer && rank != 0) {
+#pragma unroll
+    for (int i = 0; i < ACC; i += 4)
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(smem0 + (u32)(((i / 4) * THREADS + tid) * 16)),
+                   "f"(acc[i]), "f"(acc[i + 1]), "f"(acc[i + 2]), "f"(acc[i + 3])
+                   : "memory");
+  }
+  cluster_sync();
+  if (!producer && rank == 0) {
+#pragma unroll 1
+    for (u32 r = 1; r < SPLIT; ++r) {
+      u32 remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem0), "r"(r));
+#pragma unroll
+      for (int i = 0; i < ACC; i += 4) {
+        float v0, v1, v2, v3;
+        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(v0), "=f"(v1), "=f"(v2), "=f"(v3)
+                     : "r"(remote + (u32)(((i / 4) * THREADS + tid) * 16))
+                     : "memory");
+        acc[i] += v0;
+        acc[i + 1] += v1;
+        acc[i + 2] += v2;
+        acc[i + 3] += v3;
+      }
+    }
+  }
+  cluster_sync();  // peers keep their shared memory until rank 0 has read it
+  if (rank != 0) return;
+#endif
+  if (producer) return;
+
+  // D fragment of m64nBT: thread (warp, g, t4) holds weight rows 16 warp + g
+  // (+ 8) and activation rows 8 c + 2 t4 (+ 1), c < BT / 8.
+  const int g = lane >> 2;
+  const int t4 = lane & 3;
+  const int wgi = tid >> 7;
+  const int warp = (tid >> 5) & 3;
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) {
+    const int n = n0 + wgi * 64 + warp * 16 + g + ((i >> 1) & 1) * 8;
+    const int mm = m0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
+    if (n < N && mm < m) {
+      float v = __fmul_rn(__fmul_rn(acc[i], sa[mm * sa_step]), sb[n * sb_step]);
+      if (G_BIAS != 0) v = __fadd_rn(v, bias_at(bias, n));
+      store_out(out, v, mm, n);
+    }
+  }
+}

@@ -1,0 +1,380 @@
+"""Backend ``cuda_wgmma`` of the ``fp8`` family: our Hopper GEMM for
+``fp8_scaled_mm`` (per-tensor / per-token activation scales, per-tensor /
+per-channel weight scales) from one activation row to a few hundred,
+``csrc/fp8_wgmma.cu``, compiled at run time with NVRTC for the (N, K,
+config, output / bias dtype) it meets, cached on disk (``scaledmm.jit``),
+launched on torch's current stream.
+
+Both e4m3 operands come by TMA, 128 K per stage, into a shared-memory ring
+that a producer warp keeps a few stages ahead; consumer warpgroups multiply
+on ``wgmma`` e4m3 tensor cores with the weight rows as the MMA's M side (64
+per warpgroup) and the activation rows as its N side (16-128 per CTA), so a
+batch of a few rows wastes no MMA rows.  Every k32 step writes a fresh
+fragment added in fp32 (the contract's fp32 accumulation; a chain of e4m3
+MMAs does not keep fp32), the scales and bias are applied once in the
+epilogue with one rounding.  Split K over the CTAs of a cluster (DSMEM,
+rank order): deterministic, no workspace, CUDA-graph safe.  Where it runs
+instead of cuBLAS's row-wise kernel or the Triton GEMM is measured
+(``scaledmm/tuning/fp8_sm90.json``); ``fp8_linear`` reaches it through its
+composite (``quant_fp8`` then ``fp8_scaled_mm``).
+
+Read top to bottom: capability checks, the config space (frozen dataclass,
+one validity predicate :func:`config_valid`, :func:`choose_config` from the
+measured table ``scaledmm/tuning/kernels/fp8_wgmma_sm90.json`` or a rule),
+the launcher, backend registration (switch ``SCALEDMM_FP8_WGMMA=0``), the
+pre-build hook.
+
+Examples
+--------
+>>> from scaledmm.ops import fp8_wgmma as fw
+>>> cfg = fw.choose_config(4096, 4096, 64)
+>>> fw.config_valid(cfg, 4096, 4096)
+(True, 'ok')
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+from pathlib import Path
+
+import torch
+
+from scaledmm import backends, jit, kernel_tuning
+from scaledmm.backends import Backend, Family, Problem
+from scaledmm.device import NUM_SMS_H200, pdl, sm_count
+from scaledmm.oplib import FP8_DTYPE
+from scaledmm.ops import fp8 as f8
+
+FAMILY = Family.FP8
+NAME = "cuda_wgmma"
+OP = "fp8_scaled_mm"
+SOURCE = "fp8_wgmma.cu"
+KERNEL = "fp8_wgmma"
+ARCH = "sm_90a"
+KB = 128  # K per pipeline stage: one 128-byte swizzle row of e4m3
+OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+BIAS_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+TILES = (16, 32, 64, 128)
+# Registers per thread: nine warps put three on one SM quadrant (16384 / 96,
+# rounded down to 8); five warps leave the instruction's limit.
+REG_LIMIT = {1: 255, 2: 168}
+SMEM_MAX = 227 * 1024
+
+# ----------------------------------------------------------------------------
+# Capability checks
+# ----------------------------------------------------------------------------
+
+
+def source_path() -> Path:
+    """The kernel source, in the repo (editable install) or the installed package.
+
+    Examples
+    --------
+    >>> source_path().suffix
+    '.cu'
+    """
+    return jit._package_csrc() / SOURCE
+
+
+def is_supported(device: torch.device) -> tuple[bool, str]:
+    """An sm90 GPU with NVRTC and the CUDA driver bindings (wgmma, TMA, clusters: sm_90a)."""
+    ok, why = jit.sm90a_gate(device)
+    return (True, f"NVRTC-compiled TMA + e4m3 wgmma kernel ({why})") if ok else (False, why)
+
+
+def can_implement(p: Problem) -> tuple[bool, str]:
+    """``fp8_scaled_mm`` with e4m3 operands, any scale kinds, bf16 / fp16 /
+    fp32 output, any M and activation row stride (rows that are not 16-byte
+    aligned are copied), a weight at a 16-byte aligned address (read in place
+    by TMA).
+
+    Examples
+    --------
+    >>> import torch
+    >>> p = Problem(Family.FP8, torch.device("cpu"), 64, 4096, 4096, torch.float8_e4m3fn, torch.bfloat16, 4096,
+    ...             (("scale_a", "token"), ("scale_b", "channel"), ("bias_dtype", None), ("b_aligned", True)))
+    >>> can_implement(p)
+    (True, 'any M; K % 16 == 0 (TMA zero-fills the last stage)')
+    """
+    if p.in_dtype != FP8_DTYPE:
+        return False, f"needs e4m3 operands, got {p.in_dtype}"
+    if p.out_dtype not in OUT_CODES:
+        return False, f"writes bf16, fp16 or fp32, got out_dtype={p.out_dtype}"
+    if p.opt("bias_dtype") not in BIAS_CODES:
+        return False, f"adds an fp32, bf16 or fp16 bias, got {p.opt('bias_dtype')}"
+    if not p.opt("b_aligned", True):
+        return False, "needs the weight b at a 16-byte aligned address (TMA reads it in place)"
+    if p.k % 16 != 0 or p.k <= 0:
+        return False, f"needs K a positive multiple of 16, got K={p.k}"
+    return True, "any M; K % 16 == 0 (TMA zero-fills the last stage)"
+
+
+# ----------------------------------------------------------------------------
+# Config space
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaConfig:
+    """Compile-time configuration of ``fp8_wgmma``.
+
+    Parameters
+    ----------
+    tile_m : int
+        Activation rows per CTA, the wgmma N (16, 32, 64, 128).
+    warpgroups : int
+        Consumer warpgroups (1 or 2); the CTA owns ``64 * warpgroups`` weight rows.
+    stages : int
+        TMA ring stages of 128 K (2-8); the producer runs up to ``stages - 1`` ahead.
+    split_k : int
+        CTAs per cluster splitting K (1, 2, 4); partial tiles added through DSMEM.
+    """
+
+    tile_m: int = 64
+    warpgroups: int = 2
+    stages: int = 6
+    split_k: int = 1
+
+    def rows(self) -> int:
+        return 64 * self.warpgroups
+
+    def threads(self) -> int:
+        """The consumer warpgroups and the producer warp."""
+        return 128 * self.warpgroups + 32
+
+    def fragments(self) -> int:
+        """Fresh k32 fragments in flight together (the kernel's FR)."""
+        return 4 if self.tile_m <= 32 else 2
+
+    def registers(self) -> int:
+        """Estimated registers per thread (the accumulators, the fresh
+        fragments, descriptors and addresses), an upper bound of ptxas' count
+        (checked by the tests)."""
+        return (self.fragments() + 1) * self.tile_m // 2 + 32
+
+    def stage_bytes(self) -> int:
+        return (self.tile_m + self.rows()) * KB
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the stages (or the split-K partial tile),
+        their two barriers each, and 1 KiB to align the base for the 128-byte
+        swizzle."""
+        red = self.tile_m * self.rows() * 4 if self.split_k > 1 else 0
+        return max(self.stages * self.stage_bytes(), red) + 16 * self.stages + 1024
+
+    def grid(self, n: int, m: int) -> tuple[int, int, int]:
+        """(activation tiles, weight tiles, split_k): the activation tiles of a
+        weight tile run side by side and meet it in L2."""
+        return (-(-m // self.tile_m), -(-n // self.rows()), self.split_k)
+
+    def defines(self, n: int, k: int, out_dtype: torch.dtype, bias_dtype: torch.dtype | None) -> dict[str, int]:
+        return {"G_N": n, "G_K": k, "G_BT": self.tile_m, "G_WG": self.warpgroups, "G_ST": self.stages,
+                "G_SPLIT": self.split_k, "G_OUT": OUT_CODES[out_dtype], "G_BIAS": BIAS_CODES[bias_dtype]}
+
+    def short(self) -> str:
+        return f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}"
+
+
+def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
+    """THE validity predicate of a config for a shape (dispatch, benchmark and
+    tests).  Mirrors the kernel's static_asserts and the resource limits."""
+    if not isinstance(cfg, WgmmaConfig):
+        return False, f"expected a WgmmaConfig, got {type(cfg).__name__}"
+    if n <= 0 or k <= 0 or k % 16 != 0:
+        return False, f"needs N > 0 and K a positive multiple of 16, got N={n}, K={k}"
+    if cfg.tile_m not in TILES:
+        return False, f"tile_m must be one of {TILES}, got {cfg.tile_m}"
+    if cfg.warpgroups not in (1, 2):
+        return False, f"warpgroups must be 1 or 2, got {cfg.warpgroups}"
+    if not 2 <= cfg.stages <= 8:
+        return False, f"stages must be 2..8, got {cfg.stages}"
+    if cfg.split_k not in (1, 2, 4):
+        return False, f"split_k must be 1, 2 or 4, got {cfg.split_k}"
+    nkb = -(-k // KB)
+    if (cfg.split_k - 1) * -(-nkb // cfg.split_k) >= nkb:
+        return False, f"split_k {cfg.split_k} leaves a cluster rank without any of the {nkb} K stages"
+    limit = REG_LIMIT[cfg.warpgroups]
+    if cfg.registers() > limit:
+        return False, f"about {cfg.registers()} registers per thread, over the limit {limit} of {cfg.threads()} threads"
+    if cfg.smem_bytes() > SMEM_MAX:
+        return False, f"{cfg.smem_bytes()} bytes of shared memory, over {SMEM_MAX}"
+    return True, "ok"
+
+
+def tuned(n: int, k: int, m: int) -> WgmmaConfig | None:
+    """The measured config for an ``N x K`` weight at ``m`` rows, or None
+    (read once from ``scaledmm/tuning/kernels/fp8_wgmma_sm90.json``, written by
+    ``python -m benchmarks.tune <sweep.csv> --kernel fp8_wgmma``).
+
+    Examples
+    --------
+    >>> tuned(64, 128, 64) is None
+    True
+    """
+    return _table().lookup(n, k, m)
+
+
+def _table() -> kernel_tuning.KernelTable:
+    return kernel_tuning.load("fp8_wgmma", "sm90", WgmmaConfig)
+
+
+def default_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> WgmmaConfig:
+    """A config for an unseen shape: the smallest activation tile that covers
+    M (64 above 32 rows: more tiles share each weight tile through L2), two
+    warpgroups, six stages, split K until every SM has a CTA while each split
+    keeps at least 8 stages.
+
+    Examples
+    --------
+    >>> default_config(4096, 4096, 8).short(), default_config(28672, 4096, 64).short()
+    ('m16g2s6k4', 'm64g2s6k1')
+    """
+    tile = next(t for t in TILES[:3] if t >= min(m, 64))
+    cfg = WgmmaConfig(tile, 2, 6, 1)
+    tiles = cfg.grid(n, m)[0] * cfg.grid(n, m)[1]
+    split, nkb = 1, -(-k // KB)
+    while tiles * split < num_sms and split < 4 and nkb >= 8 * split * 2:
+        split *= 2
+    cfg = dataclasses.replace(cfg, split_k=split)
+    return cfg if config_valid(cfg, n, k)[0] else WgmmaConfig(tile, 2, 4, 1)
+
+
+@functools.lru_cache(maxsize=4096)  # once per shape and M: every launch asks
+def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> WgmmaConfig:
+    """The measured config (:func:`tuned`) or :func:`default_config`."""
+    cfg = tuned(n, k, m)
+    if cfg is None or not config_valid(cfg, n, k)[0]:
+        cfg = default_config(n, k, m, num_sms)
+    return cfg
+
+
+def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> list[WgmmaConfig]:
+    """The benchmark's sweep: the chosen config first, then every valid
+    tile x warpgroups x stages x split point with one of two tiles: the two
+    smallest that cover M, or the largest two where at most one does."""
+    first = choose_config(n, k, m, num_sms)
+    covering = [t for t in TILES if t >= m][:2]
+    covering = covering if len(covering) == 2 else list(TILES[-2:])
+    found = [WgmmaConfig(t, g, s, sk) for t in covering for g in (2, 1) for s in (4, 8) for sk in (1, 2, 4)]
+    return [first, *[c for c in found if c != first and config_valid(c, n, k)[0]]]
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_spec(n: int, k: int, cfg: WgmmaConfig, out_dtype: torch.dtype = torch.bfloat16,
+                bias_dtype: torch.dtype | None = None) -> jit.NvrtcKernelSpec:
+    """The NVRTC spec of one instantiation (validated)."""
+    if out_dtype not in OUT_CODES:
+        raise ValueError(f"out_dtype: expected bf16, fp16 or fp32, got {out_dtype}")
+    if bias_dtype not in BIAS_CODES:
+        raise ValueError(f"bias_dtype: expected None, fp32, bf16 or fp16, got {bias_dtype}")
+    ok, why = config_valid(cfg, n, k)
+    if not ok:
+        raise ValueError(f"cfg: expected a valid config for N={n}, K={k}, got {cfg}: {why}")
+    return jit.NvrtcKernelSpec(KERNEL, source_path(), arch=ARCH, defines=cfg.defines(n, k, out_dtype, bias_dtype))
+
+
+def _scale_step(scale: torch.Tensor, kind: str) -> int:
+    """Elements between consecutive row / column scales (0: one for all)."""
+    return 0 if kind == f8.TENSOR else int(scale.stride(0) if scale.dim() == 1 or kind == f8.TOKEN
+                                              else scale.stride(1))
+
+
+def launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+           bias: torch.Tensor | None, out: torch.Tensor, cfg: WgmmaConfig | None = None) -> torch.Tensor:
+    """Run the kernel into ``out`` ([M, N], contiguous) on the current stream.
+
+    Validated ``fp8_scaled_mm`` arguments with M >= 1, ``a``'s rows and ``b``
+    16-byte aligned.  With :func:`scaledmm.device.pdl` the launch is a
+    programmatic dependent one.
+    """
+    m, k = a.shape
+    n = b.shape[0]
+    kind_a = f8.scale_a_kind(OP, scale_a, m)
+    kind_b = f8.scale_b_kind(OP, scale_b, n)
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    cfg = cfg or choose_config(n, k, m, sm_count(dev))
+    spec = kernel_spec(n, k, cfg, out.dtype, None if bias is None else bias.dtype)
+    a_map = jit.tensor_map_2d(a.data_ptr(), 1, k, m, a.stride(0), KB, cfg.tile_m, 128)
+    b_map = jit.tensor_map_2d(b.data_ptr(), 1, k, n, b.stride(0), KB, cfg.rows(), 128)
+    spec.kernel().launch(cfg.grid(n, m), cfg.threads(),
+                         (a_map, b_map, scale_a, ctypes.c_int(_scale_step(scale_a, kind_a)),
+                          scale_b, ctypes.c_int(_scale_step(scale_b, kind_b)), bias, out, ctypes.c_int(m)),
+                         device=a.device, shared_mem=cfg.smem_bytes(), pdl=pdl(a.device))
+    return out
+
+
+def wgmma_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, cfg: WgmmaConfig | None = None):
+    """Backend entry of ``fp8_scaled_mm``: a fresh ``[M, N]``
+    ``(a * scale_a) @ (b * scale_b).T (+ bias)``.  An activation whose rows
+    are not 16-byte aligned is copied first (TMA reads 16-byte aligned rows).
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)        # doctest: +SKIP
+    >>> w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)      # doctest: +SKIP
+    >>> a, sa = torch.ops.scaledmm.quant_fp8(x, None, True)                   # doctest: +SKIP
+    >>> b, sb = torch.ops.scaledmm.quant_fp8(w, None, True)                   # doctest: +SKIP
+    >>> with scaledmm.use_backend("fp8", "cuda_wgmma"):                       # doctest: +SKIP
+    ...     out = torch.ops.scaledmm.fp8_scaled_mm(a, b, sa, sb.reshape(-1))
+    """
+    f8.check_mm_args(OP, a, b, scale_a, scale_b, bias, out_dtype)
+    m, k = a.shape
+    n = b.shape[0]
+    if m == 0 or n == 0:
+        return f8.reference_mm(a, b, scale_a, scale_b, bias, out_dtype)
+    if b.data_ptr() % 16:
+        raise ValueError(f"b: expected a weight at a 16-byte aligned address (TMA), got {b.data_ptr() % 16} mod 16")
+    if a.data_ptr() % 16 or (m > 1 and a.stride(0) % 16):
+        a = a.clone(memory_format=torch.contiguous_format)
+    elif m == 1:
+        a = a.as_strided((1, k), (k, 1))  # one row: its stride is never used, K bytes is a valid one
+    if bias is not None:
+        bias = bias.contiguous()
+    return launch(a, b, scale_a, scale_b, bias, f8.mm_output(a, b, out_dtype), cfg)
+
+
+# ----------------------------------------------------------------------------
+# Backend registration (its place in automatic selection: scaledmm/tuning/fp8_sm90.json)
+# ----------------------------------------------------------------------------
+
+
+backends.register(Backend(
+    FAMILY, NAME,
+    impls={OP: wgmma_mm},
+    is_supported=is_supported,
+    can_implement=can_implement,
+    description=f"NVRTC TMA + e4m3 wgmma (swap AB, fp32 accumulation, split K), any M, K % 16 == 0 (csrc/{SOURCE})",
+))
+
+
+# ----------------------------------------------------------------------------
+# Pre-build hook: python -m scaledmm.jit build --fp8-wgmma N:K[,N:K...]
+# ----------------------------------------------------------------------------
+
+PREBUILD_M = (8, 16, 32, 64, 128, 256)
+
+
+def prebuild_specs(value: str) -> list[jit.NvrtcKernelSpec]:
+    """Specs of the configs chosen at M = 8 .. 256 with bf16 output, no bias,
+    for each ``N:K``."""
+    specs: dict[str, jit.NvrtcKernelSpec] = {}
+    for n, k in jit.parse_shapes(value, "fp8-wgmma"):
+        for m in PREBUILD_M:
+            spec = kernel_spec(n, k, choose_config(n, k, m))
+            specs.setdefault(spec.key, spec)
+    return list(specs.values())
+
+
+jit.register_prebuild("fp8-wgmma", prebuild_specs,
+                      help="N:K[,N:K...] FP8 wgmma kernels (the configs of M = 8 .. 256, bf16 output)")
+
+__all__ = ["WgmmaConfig", "can_implement", "candidate_configs", "choose_config", "config_valid", "default_config",
+           "is_supported", "kernel_spec", "launch", "prebuild_specs", "tuned", "wgmma_mm"]
