@@ -28,10 +28,11 @@
 //    Rows past m / N and columns past K arrive as zeros, so K needs no tail
 //    code.  Each stage has a full barrier (expect_tx) and an empty one (one
 //    arrival per consumer warp, once the MMAs that read the slot retired).
-//  * fp32 accumulation: every k32 wgmma writes a fresh fragment (scale-d 0)
-//    that is added to the fp32 accumulators; chained inside the tensor core
-//    the e4m3 sums lose bits against fp32 (fp8_gemv.cu found the same for
-//    mma.sync).  A stage's four steps go in one group of four fragments (BT
+//  * fp32 accumulation across K: every k32 wgmma writes a fresh fragment
+//    (scale-d 0) that is added to the fp32 accumulators; chained inside the
+//    tensor core the e4m3 sums lose bits against fp32 (fp8_gemv.cu found the
+//    same for mma.sync).  The 32 products of one step are summed by the
+//    tensor core itself, a little short of fp32 (tests/test_fp8_wgmma.py).  A stage's four steps go in one group of four fragments (BT
 //    <= 32) or two groups of two, each group retired with wait_group 0
 //    before its fragments are added: ptxas serializes every wgmma of a loop
 //    whose accumulators are read while any wgmma is in flight.  The second

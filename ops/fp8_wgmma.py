@@ -10,9 +10,11 @@ that a producer warp keeps a few stages ahead; consumer warpgroups multiply
 on ``wgmma`` e4m3 tensor cores with the weight rows as the MMA's M side (64
 per warpgroup) and the activation rows as its N side (16-128 per CTA), so a
 batch of a few rows wastes no MMA rows.  Every k32 step writes a fresh
-fragment added in fp32 (the contract's fp32 accumulation; a chain of e4m3
-MMAs does not keep fp32), the scales and bias are applied once in the
-epilogue with one rounding.  Split K over the CTAs of a cluster (DSMEM,
+fragment added in fp32 (the contract's fp32 accumulation across K; a chain of
+e4m3 MMAs does not keep fp32; inside one k32 step the tensor core's own sum
+has somewhat less than fp32 precision, as cuBLAS's and Triton's FP8 GEMMs on
+sm90 have), the scales and bias are applied once in the epilogue with one
+rounding.  Split K over the CTAs of a cluster (DSMEM,
 rank order): deterministic, no workspace, CUDA-graph safe.  Where it runs
 instead of cuBLAS's row-wise kernel or the Triton GEMM is measured
 (``scaledmm/tuning/fp8_sm90.json``); ``fp8_linear`` reaches it through its
