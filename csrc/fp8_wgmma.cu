@@ -32,12 +32,13 @@
 //    (scale-d 0) that is added to the fp32 accumulators; chained inside the
 //    tensor core the e4m3 sums lose bits against fp32 (fp8_gemv.cu found the
 //    same for mma.sync).  The 32 products of one step are summed by the
-//    tensor core itself, a little short of fp32 (tests/test_fp8_wgmma.py).  A stage's four steps go in one group of four fragments (BT
-//    <= 32) or two groups of two, each group retired with wait_group 0
-//    before its fragments are added: ptxas serializes every wgmma of a loop
-//    whose accumulators are read while any wgmma is in flight.  The second
-//    warpgroup and the other CTAs of the SM keep the tensor cores busy
-//    meanwhile; the kernel is bound by the weight's bytes where it is used.
+//    tensor core itself, a little short of fp32 (tests/test_fp8_wgmma.py).
+//    A stage's four steps go in one group of four fragments (BT <= 32, or
+//    64 with one warpgroup) or two groups of two, each group retired with
+//    wait_group 0 before its fragments are added: ptxas serializes every
+//    wgmma of a loop whose accumulators are read while any wgmma is in
+//    flight.  The second warpgroup and the other CTAs of the SM keep the
+//    tensor cores busy meanwhile.
 //  * Epilogue from the accumulators: (acc * sa[m]) * sb[n] (+ bias), one
 //    rounding to the output dtype.  Split K: each rank's fp32 tile to its
 //    shared memory, rank 0 adds ranks 1.. in order.  Deterministic, no
@@ -91,8 +92,8 @@ constexpr int KB = 128;  // K per stage: one 128-byte swizzle row of e4m3
 constexpr int NKB = (K + KB - 1) / KB;
 constexpr int ACC = BT / 2;  // fp32 accumulators per thread (m64 x BT over 128 threads)
 // k32 steps in flight together, each into its own fresh fragment: the whole
-// stage while the fragments are small, else two groups of two.
-constexpr int FR = ACC <= 16 ? 4 : 2;
+// stage where the registers allow, else two groups of two.
+constexpr int FR = ACC <= 16 || (ACC == 32 && WGS == 1) ? 4 : 2;
 constexpr int X_BYTES = BT * 128;
 constexpr int W_BYTES = BN * 128;
 constexpr int STAGE_BYTES = X_BYTES + W_BYTES;  // both multiples of the 1024-byte swizzle atom

@@ -148,7 +148,7 @@ class WgmmaConfig:
 
     def fragments(self) -> int:
         """Fresh k32 fragments in flight together (the kernel's FR)."""
-        return 4 if self.tile_m <= 32 else 2
+        return 4 if self.tile_m <= 32 or (self.tile_m == 64 and self.warpgroups == 1) else 2
 
     def registers(self) -> int:
         """Estimated registers per thread (the accumulators, the fresh
@@ -257,7 +257,7 @@ def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> li
     first = choose_config(n, k, m, num_sms)
     covering = [t for t in TILES if t >= m][:2]
     covering = covering if len(covering) == 2 else list(TILES[-2:])
-    found = [WgmmaConfig(t, g, s, sk) for t in covering for g in (2, 1) for s in (4, 8) for sk in (1, 2, 4)]
+    found = [WgmmaConfig(t, g, s, sk) for t in covering for g in (2, 1) for s in (4, 6, 8) for sk in (1, 2, 4)]
     return [first, *[c for c in found if c != first and config_valid(c, n, k)[0]]]
 
 
