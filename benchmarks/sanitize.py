@@ -144,7 +144,9 @@ CASES: tuple[Case, ...] = (
     Case("nvfp4_wgmma_w4a16", "nvfp4_w4a16_mm cuda_wgmma, bf16 activation, one 64-row tile, one warpgroup",
          "M40 N200 K768, strided x", csrc=True),
     Case("fp8_wgmma_split", "fp8_scaled_mm cuda_wgmma (csrc/fp8_wgmma.cu: TMA ring, producer warp, e4m3 wgmma), "
-         "two 64-row tiles, K split over a 2-CTA cluster", "M100 N208 K1040", csrc=True),
+         "two 64-row tiles, one warpgroup, K split over a 2-CTA cluster", "M100 N208 K1040", csrc=True),
+    Case("fp8_wgmma_two_wg", "fp8_scaled_mm cuda_wgmma, two 64-row tiles, two warpgroups (two k32 groups a stage)",
+         "M100 N208 K1040", csrc=True),
     Case("fp8_wgmma_tensor", "fp8_scaled_mm cuda_wgmma through the op: per-tensor scales, fp32 out, bf16 bias, "
          "one 16-row tile, two stages", "M5 N208 K1040, strided a", csrc=True),
     Case("nvfp4_decode_cublas", "nvfp4_mm decode_cublas: Triton decodes, cuBLAS fp32 mm, Triton epilogue + bias",

@@ -450,10 +450,12 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool):
     return close(out, ref, 1e-2, first)
 
 
-def case_fp8_wgmma(ctx: Ctx, split: bool):
+def case_fp8_wgmma(ctx: Ctx, split: bool, warpgroups: int = 1):
     """cuda_wgmma of fp8 (csrc/fp8_wgmma.cu: TMA ring, producer warp, e4m3
     wgmma): ``fp8_scaled_mm`` per-token x per-channel at M = 100 in two 64-row
-    tiles with K split over a 2-CTA cluster, or through the op at M = 5 with
+    tiles, one warpgroup (the stage's four k32 steps in one group) with K
+    split over a 2-CTA cluster, or two warpgroups (two groups of two) without
+    a split; or through the op at M = 5 with
     strided rows, per-tensor scales, an fp32 output and a bf16 bias (one
     16-row tile, one warpgroup, two stages).  N = 208 leaves a partial weight
     tile, K = 1040 a 16-wide tail stage: rows and columns past the tensors
@@ -472,7 +474,7 @@ def case_fp8_wgmma(ctx: Ctx, split: bool):
     if split:
         d = [t.to(ctx.dev) for t in (a, b, sa, sb)]
         need_backend("fp8", "cuda_wgmma", f8.mm_problem(d[0], d[1], f8.TOKEN, f8.CHANNEL, None, torch.bfloat16))
-        cfg = fw.WgmmaConfig(64, 2, 4, 2)
+        cfg = fw.WgmmaConfig(64, warpgroups, 4, 2 if warpgroups == 1 else 1)
         first, out = ctx.twice(lambda: fw.launch(*d, None, f8.mm_output(d[0], d[1], torch.bfloat16), cfg))
         return close(out, ref, 1e-2, first)
     bias = ctx.randn(n, dtype=torch.bfloat16)
@@ -655,6 +657,7 @@ CHILD_CASES = {
     "nvfp4_decode_cublas": case_nvfp4_decode_cublas,
     "fp8_wgmma_split": lambda ctx: case_fp8_wgmma(ctx, True),
     "fp8_wgmma_tensor": lambda ctx: case_fp8_wgmma(ctx, False),
+    "fp8_wgmma_two_wg": lambda ctx: case_fp8_wgmma(ctx, True, 2),
     "fp8_tri_quant": case_fp8_quant,
     "skinny_v1": lambda ctx: case_skinny(ctx, "reg"),
     "skinny_v2": lambda ctx: case_skinny(ctx, "tma"),
