@@ -363,16 +363,17 @@ def test_gpu_every_candidate_config(mb):
 
 @requires_sm90
 def test_gpu_ops_select_it_and_write_every_element():
-    """Through the ops (automatic selection at M = 1): every output element
-    is written (a poisoned buffer in the allocator would show as NaN)."""
+    """Through the ops (automatic selection at M = 1, on the shapes whose
+    shipped rows pick it): every output element is written (a poisoned buffer
+    in the allocator would show as NaN)."""
     gen = torch.Generator(device="cuda").manual_seed(9)
-    w, ws = _weight(6144, 4096, "channel", gen)
+    w, ws = _weight(4096, 14336, "channel", gen)
     wb, wbs = _weight(6144, 4096, "block", gen)
-    x = _activation(1, 4096, gen)
+    x, xb = _activation(1, 14336, gen), _activation(1, 4096, gen)
     poison_(torch.empty(6144 * 4, device="cuda", dtype=torch.uint8))
     with backends.record() as log:
         out = torch.ops.scaledmm.fp8_linear(x, w, ws, None, True)
-        outb = torch.ops.scaledmm.fp8_block_linear(x, wb, wbs)
+        outb = torch.ops.scaledmm.fp8_block_linear(xb, wb, wbs)
     assert ("fp8_linear", "cuda_gemv") in [(op, name) for op, name, _ in log]
     assert ("fp8_block_linear", "cuda_gemv") in [(op, name) for op, name, _ in log]
     assert torch.isfinite(out).all() and torch.isfinite(outb).all()
