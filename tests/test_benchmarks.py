@@ -260,7 +260,7 @@ def test_every_family_runs_and_its_reference_passes_the_gate(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "## summary: auto vs baselines" in out
     seen = set()
-    for fam in ("fp8_block", "fp8_block_linear", "fp8", "nvfp4", "skinny", "quant"):
+    for fam in ("fp8_block", "fp8_block_linear", "fp8", "fp8_tensorwise", "nvfp4", "skinny", "quant"):
         path = tmp_path / f"{fam}.csv"
         if not path.exists():  # op not written yet: skipped with a message
             assert f"## {fam}" in out and "SKIPPED" in (tmp_path / f"{fam}.md").read_text()
