@@ -205,15 +205,19 @@ def test_switch_takes_it_out(fake_sm90, monkeypatch):
 
 
 def test_where_the_shipped_rows_put_it(fake_sm90, monkeypatch):
-    """scaledmm/tuning/fp8_sm90.json (the H200 op sweep): row-wise scales on
-    the llama8b shapes and unswept ones take it at small M, cuBLAS at large M;
-    per-tensor scales stay on cuBLAS's per-tensor kernel."""
+    """scaledmm/tuning/fp8_sm90.json (the H200 op sweeps): row-wise and
+    per-tensor scales on the llama8b shapes and unswept ones take it at small
+    M, cuBLAS at large M (per-tensor: cuBLAS's per-tensor kernel from M = 32,
+    and on 28672x4096)."""
     monkeypatch.delenv("SCALEDMM_FP8_WGMMA", raising=False)
     for n, k in LLAMA8B + [(1024, 4096)]:  # the fp8 rows are per op (op_shapes): the fixture keeps them
         assert backends.select(_problem(8, n, k), "fp8_scaled_mm").name == NAME, (n, k)
         assert backends.select(_problem(512, n, k), "fp8_scaled_mm").name == "cublas", (n, k)
     assert backends.select(_problem(64, 4096, 14336), "fp8_scaled_mm").name == NAME
-    assert backends.select(_problem(8, kinds=(f8.TENSOR, f8.TENSOR)), "fp8_scaled_mm").name == "cublas"
+    tensor = (f8.TENSOR, f8.TENSOR)
+    assert backends.select(_problem(8, kinds=tensor), "fp8_scaled_mm").name == NAME
+    assert backends.select(_problem(64, kinds=tensor), "fp8_scaled_mm").name == "cublas"
+    assert backends.select(_problem(8, 28672, kinds=tensor), "fp8_scaled_mm").name == "cublas"
 
 
 def test_explicit_request_on_cpu_explains():
