@@ -48,7 +48,7 @@
 //    set-up every thread waits for the previous grid (griddepcontrol.wait)
 //    before any TMA load or global access, then lets the next grid launch.
 
-#include "fused_a_ptx.cuh"
+#include "wgmma_ptx.cuh"
 
 #ifndef G_N
 #error "G_N (output columns) must be defined"
@@ -77,7 +77,7 @@
 
 namespace f8w {
 
-using namespace fa_ptx;
+using namespace wg_ptx;
 
 constexpr int N = G_N;
 constexpr int K = G_K;
@@ -109,45 +109,9 @@ static_assert(STAGES >= 2 && STAGES <= 8, "G_ST must be 2..8");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "G_SPLIT must be 1, 2 or 4");
 static_assert(G_OUT >= 0 && G_OUT <= 2 && G_BIAS >= 0 && G_BIAS <= 3, "G_OUT 0..2, G_BIAS 0..3");
 
-// A CUtensorMap, passed by value (__grid_constant__) and read by the TMA unit.
-struct alignas(64) TmaMap {
-  unsigned long long v[16];
-};
-
-// 2-D tile of a tensor map -> shared memory, completing on ``bar``.
-__device__ __forceinline__ void tma_2d(u32 dst, const TmaMap* map, int c0, int c1, u32 bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-          dst),
-      "l"(map), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-
-template <int PENDING>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
-}
-
-// Keeps the compiler from moving fragment reads or writes across a wgmma wait.
-__device__ __forceinline__ void pin(float (&d)[ACC]) {
-#pragma unroll
-  for (int i = 0; i < ACC; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 __device__ __forceinline__ void add(float (&acc)[ACC], const float (&d)[ACC]) {
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] += d[i];
-}
-
-// Shared-memory matrix descriptor of a K-major operand in the 128-byte
-// swizzle: 8-row groups 1024 bytes apart (stride), leading offset unused.
-// +2 per k32 step (32 bytes; addresses stay below 2^18, so the 14-bit field
-// never carries).
-__device__ __forceinline__ u64 smem_desc(u32 addr) {
-  return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
 
 // D = A (64 x 32, K-major, a_desc) * B (BT x 32, K-major, b_desc), e4m3 in,
@@ -325,38 +289,7 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
   }
 
 #if G_SPLIT > 1
-  __syncthreads();  // every consumer is done with the pipeline's shared memory
-  // partial tile as [i / 4][thread][4]: one 16-byte store / remote load per four accumulators
-  const u32 rank = cluster_rank();
-  if (!producer && rank != 0) {
-#pragma unroll
-    for (int i = 0; i < ACC; i += 4)
-      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(smem0 + (u32)(((i / 4) * THREADS + tid) * 16)),
-                   "f"(acc[i]), "f"(acc[i + 1]), "f"(acc[i + 2]), "f"(acc[i + 3])
-                   : "memory");
-  }
-  cluster_sync();
-  if (!producer && rank == 0) {
-#pragma unroll 1
-    for (u32 r = 1; r < SPLIT; ++r) {
-      u32 remote;
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem0), "r"(r));
-#pragma unroll
-      for (int i = 0; i < ACC; i += 4) {
-        float v0, v1, v2, v3;
-        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                     : "=f"(v0), "=f"(v1), "=f"(v2), "=f"(v3)
-                     : "r"(remote + (u32)(((i / 4) * THREADS + tid) * 16))
-                     : "memory");
-        acc[i] += v0;
-        acc[i + 1] += v1;
-        acc[i + 2] += v2;
-        acc[i + 3] += v3;
-      }
-    }
-  }
-  cluster_sync();  // peers keep their shared memory until rank 0 has read it
-  if (rank != 0) return;
+  if (!cluster_reduce<ACC, THREADS, SPLIT>(acc, smem0, tid, !producer)) return;
 #endif
   if (producer) return;
 
