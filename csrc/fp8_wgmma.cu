@@ -223,22 +223,9 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
   const int m0 = blockIdx.x * BT;
   const int n0 = blockIdx.y * BN;
 
-  const int per = (NKB + SPLIT - 1) / SPLIT;
-  const int kb0 = blockIdx.z * per;
-  int nk = NKB - kb0 < per ? NKB - kb0 : per;
-  if (nk < 0) nk = 0;
-
-  if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bars + 8 * s, 1);                   // the producer's expect_tx
-      mbar_init(bars + 8 * (STAGES + s), 4 * WGS);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  grid_dependency_wait();
-  launch_dependents();
-  __syncthreads();
+  int kb0;
+  const int nk = stage_range<NKB, SPLIT>(kb0);
+  ring_init<STAGES>(bars, 4 * WGS);
 
   float acc[ACC];
 #pragma unroll

@@ -48,6 +48,36 @@ __device__ __forceinline__ u64 smem_desc(u32 addr) {
   return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
 
+// The K stages of this CTA's cluster rank (blockIdx.z) when NKB stages are
+// split over SPLIT ranks in contiguous runs: the first, and how many (the
+// last rank may get fewer; none is left without: the configs' predicate).
+template <int NKB, int SPLIT>
+__device__ __forceinline__ int stage_range(int& kb0) {
+  const int per = (NKB + SPLIT - 1) / SPLIT;
+  kb0 = blockIdx.z * per;
+  int nk = NKB - kb0 < per ? NKB - kb0 : per;
+  return nk < 0 ? 0 : nk;
+}
+
+// The ring's barriers at ``bars``: full[s] (one arrival: the producer's
+// expect_tx), then empty[s] (one arrival per consumer warp); then the
+// programmatic-dependent-launch wait (no global access before it) and
+// trigger, and a CTA barrier.  Every thread calls it.
+template <int STAGES>
+__device__ __forceinline__ void ring_init(u32 bars, u32 consumer_warps) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bars + 8 * s, 1);
+      mbar_init(bars + 8 * (STAGES + s), consumer_warps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  grid_dependency_wait();
+  launch_dependents();
+  __syncthreads();
+}
+
 // Split K over a cluster of SPLIT CTAs: ranks 1.. store their fp32 tile to
 // their own shared memory at ``smem`` as [i / 4][thread][4] (one 16-byte store
 // / remote load per four accumulators), rank 0 adds them in rank order (a
