@@ -5,7 +5,8 @@
 //     out[m, n] = sum_k a[m, k] b[n, k] * sa[m] * sb[n] (+ bias[n])
 //
 // a: e4m3 [m, K] (rows 16-byte aligned); b: e4m3 [N, K] contiguous; sa / sb
-// fp32, one element (step 0) or one per row / column (step 1).  Compiled at
+// fp32, one element (step 0) or one per row / column (step: the scales'
+// stride in elements).  Compiled at
 // run time with NVRTC; one cubin per (N, K, config, output / bias dtype):
 //
 //   G_N, G_K     problem size (K % 16 == 0; any N >= 1)
