@@ -269,10 +269,11 @@ def test_can_implement_quant_modes():
 def test_selection_on_sm90_quant_triton_gemm_by_variant():
     """The registry walk on a simulated sm90 device: quant_fp8 takes triton
     (cublas has no quantizer); fp8_scaled_mm with row-wise scales takes
-    triton at small M (the measured rows, '*' for a shape not swept) and
-    cublas at large M, with per-tensor scales cublas (the order); an explicit
-    request wins.  The GEMM Problems come from the op's own builder, so the
-    variant is the one the op declares."""
+    triton at small M on a dsv3 shape (its measured rows) and cuda_wgmma on a
+    shape without rows ('*', from the llama8b sweep), cublas at large M; with
+    per-tensor scales cuda_wgmma at small M ('*' of the tensorwise rows) and
+    cublas at large M; an explicit request wins.  The GEMM Problems come from
+    the op's own builder, so the variant is the one the op declares."""
     from benchmarks import selections
 
     def pm(dev, m, n, tensorwise=False):
@@ -285,10 +286,11 @@ def test_selection_on_sm90_quant_triton_gemm_by_variant():
         assert backends.priority("fp8", dev)[:3] == ["cuda_gemv", "cublas", "triton"]
         pq = Problem(Family.FP8, dev, 7, 0, 7168, torch.bfloat16, FP8, 7168, (("quant", "per_token"),))
         assert backends.select(pq, "quant_fp8").name == "triton"
-        for n in (2112, 1234 * 16):  # a swept shape, one without rows of its own
-            assert backends.select(pm(dev, 7, n), "fp8_scaled_mm").name == "triton"
+        for n, small in ((2112, "triton"), (1234 * 16, "cuda_wgmma")):  # a swept shape, one without rows
+            assert backends.select(pm(dev, 7, n), "fp8_scaled_mm").name == small
             assert backends.select(pm(dev, 4096, n), "fp8_scaled_mm").name == "cublas"
-            assert backends.select(pm(dev, 7, n, tensorwise=True), "fp8_scaled_mm").name == "cublas"
+            assert backends.select(pm(dev, 7, n, tensorwise=True), "fp8_scaled_mm").name == "cuda_wgmma"
+            assert backends.select(pm(dev, 4096, n, tensorwise=True), "fp8_scaled_mm").name == "cublas"
         with scaledmm.use_backend("fp8", "cublas"):
             assert backends.select(pm(dev, 7, 2112), "fp8_scaled_mm").name == "cublas"
         with scaledmm.use_backend("fp8", "triton"):
