@@ -440,30 +440,6 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NT][MF][4]) {
       for (int e = 0; e < 4; ++e) acc[t][f][e] = 0.f;
 }
 
-__device__ __forceinline__ float bias_at(const void* bias, int n) {
-  if (F_BIAS == 1) return ((const float*)bias)[n];
-  if (F_BIAS == 2) return __uint_as_float((u32)((const unsigned short*)bias)[n] << 16);
-  if (F_BIAS == 3) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(((const unsigned short*)bias)[n]));
-    return f;
-  }
-  return 0.f;
-}
-
-__device__ __forceinline__ void store_out(void* out, float v, int mm, int n) {
-  const long long o = (long long)mm * N + n;
-  if (F_OUT == 2) {
-    ((float*)out)[o] = v;
-  } else if (F_OUT == 1) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    ((unsigned short*)out)[o] = h;
-  } else {
-    ((unsigned short*)out)[o] = to_bf16(v);
-  }
-}
-
 }  // namespace fg
 
 #if F_SPLIT > 1
@@ -560,8 +536,8 @@ fp8_gemv(const unsigned short* __restrict__ x, long long x_stride, const unsigne
             v = v * act.s[ASCALE == 0 || ASCALE == 2 ? 0 : mm];
             v = v * w_scale[BSCALE == 1 ? n : 0];
           }
-          if (F_BIAS != 0) v = v + bias_at(bias, n);
-          store_out(out, v, mm, n);
+          if (F_BIAS != 0) v = v + bias_at<F_BIAS>(bias, n);
+          store_out<F_OUT, N>(out, v, mm, n);
         }
       });
       __syncthreads();  // red is rewritten by the next tile

@@ -169,32 +169,6 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 a_desc, u64 b_desc)
                : "l"(a_desc), "l"(b_desc));
 }
 
-__device__ __forceinline__ float bias_at(const void* bias, int n) {
-  if (G_BIAS == 1) return ((const float*)bias)[n];
-  if (G_BIAS == 2) return __uint_as_float((u32)((const unsigned short*)bias)[n] << 16);
-  if (G_BIAS == 3) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(((const unsigned short*)bias)[n]));
-    return f;
-  }
-  return 0.f;
-}
-
-__device__ __forceinline__ void store_out(void* out, float v, int mm, int n) {
-  const long long at = (long long)mm * N + n;
-  if (G_OUT == 2) {
-    ((float*)out)[at] = v;
-  } else {
-    unsigned short h;
-    if (G_OUT == 1) {
-      asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    } else {
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    }
-    ((unsigned short*)out)[at] = h;
-  }
-}
-
 }  // namespace f8w
 
 #if G_SPLIT > 1
@@ -293,8 +267,8 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
     const int mm = m0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
     if (n < N && mm < m) {
       float v = __fmul_rn(__fmul_rn(acc[i], sa[mm * sa_step]), sb[n * sb_step]);
-      if (G_BIAS != 0) v = __fadd_rn(v, bias_at(bias, n));
-      store_out(out, v, mm, n);
+      if (G_BIAS != 0) v = __fadd_rn(v, bias_at<G_BIAS>(bias, n));
+      store_out<G_OUT, N>(out, v, mm, n);
     }
   }
 }

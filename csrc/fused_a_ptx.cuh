@@ -52,6 +52,35 @@ __device__ __forceinline__ u16 to_bf16(float f) {
   return h;
 }
 
+// The FP8 kernels' epilogue (fp8_gemv.cu, fp8_wgmma.cu): bias[n] as fp32
+// (BIAS 0: none, 1: fp32, 2: bf16, 3: fp16), and one output element rounded
+// once to OUT (0: bf16, 1: fp16, 2: fp32) at out[mm * LDO + n].
+template <int BIAS>
+__device__ __forceinline__ float bias_at(const void* bias, int n) {
+  if (BIAS == 1) return ((const float*)bias)[n];
+  if (BIAS == 2) return __uint_as_float((u32)((const unsigned short*)bias)[n] << 16);
+  if (BIAS == 3) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(((const unsigned short*)bias)[n]));
+    return f;
+  }
+  return 0.f;
+}
+
+template <int OUT, int LDO>
+__device__ __forceinline__ void store_out(void* out, float v, int mm, int n) {
+  const long long o = (long long)mm * LDO + n;
+  if (OUT == 2) {
+    ((float*)out)[o] = v;
+  } else if (OUT == 1) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    ((unsigned short*)out)[o] = h;
+  } else {
+    ((unsigned short*)out)[o] = to_bf16(v);
+  }
+}
+
 // Shared-memory address (32-bit) of a generic pointer into shared memory.
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 a;
