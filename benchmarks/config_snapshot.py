@@ -137,6 +137,12 @@ def _fp8_wgmma() -> dict[str, Any]:
     return {key: _text(fw.choose_config(n, k, m, NUM_SMS)) for key, n, k, m in _points() if k % 16 == 0}
 
 
+def _fp8_wgmma_block() -> dict[str, Any]:
+    from scaledmm.ops import fp8_wgmma as fw
+
+    return {key: _text(fw.choose_config(n, k, m, NUM_SMS, True)) for key, n, k, m in _points() if k % 16 == 0}
+
+
 def _skinny() -> dict[str, Any]:
     from scaledmm.ops import skinny_fused_a as S
 
@@ -175,6 +181,7 @@ def collect() -> dict[str, dict[str, Any]]:
         "nvfp4_mid": _nvrtc("nvfp4_mid"),
         "nvfp4_wgmma": _nvfp4_wgmma(),
         "fp8_wgmma": _fp8_wgmma(),
+        "fp8_wgmma_block": _fp8_wgmma_block(),
         "skinny_fused_a": _skinny(),
         "nvfp4_cublas": _nvfp4_cublas(),
     }

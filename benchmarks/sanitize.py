@@ -147,6 +147,11 @@ CASES: tuple[Case, ...] = (
          "two 64-row tiles, one warpgroup, K split over a 2-CTA cluster", "M100 N208 K1040", csrc=True),
     Case("fp8_wgmma_two_wg", "fp8_scaled_mm cuda_wgmma, two 64-row tiles, two warpgroups (two k32 groups a stage)",
          "M100 N208 K1040", csrc=True),
+    Case("fp8_wgmma_block_chain", "fp8_block_mm cuda_wgmma (G_BLOCK: cp.async scale copies on the stage barrier), "
+         "one warpgroup, four k32 steps chained a stage, K split over a 2-CTA cluster, column-major scales",
+         "M100 N208 K1040", csrc=True),
+    Case("fp8_wgmma_block_two_wg", "fp8_block_mm cuda_wgmma, two warpgroups, fresh fragments, row-major scales",
+         "M100 N208 K1040", csrc=True),
     Case("fp8_wgmma_tensor", "fp8_scaled_mm cuda_wgmma through the op: per-tensor scales, fp32 out, bf16 bias, "
          "one 16-row tile, two stages", "M5 N208 K1040, strided a", csrc=True),
     Case("nvfp4_decode_cublas", "nvfp4_mm decode_cublas: Triton decodes, cuBLAS fp32 mm, Triton epilogue + bias",

@@ -486,6 +486,32 @@ def case_fp8_wgmma(ctx: Ctx, split: bool, warpgroups: int = 1):
     return close(out, ref + bias.double(), 1e-2, first)
 
 
+def case_fp8_wgmma_block(ctx: Ctx, chain: int):
+    """cuda_wgmma of fp8_block (csrc/fp8_wgmma.cu with G_BLOCK: the producer
+    warp's cp.async scale copies arriving on the stage barrier, block scales
+    at each promotion): M = 100 in two 64-row tiles with column-major
+    activation scales; ``chain`` 4: one warpgroup, the stage's four k32 steps
+    chained, K split over a 2-CTA cluster; ``chain`` 1: two warpgroups, two
+    groups of two fresh fragments, row-major scales.  N = 208 leaves a
+    partial weight tile and scale block, K = 1040 a 16-wide tail stage."""
+    import torch
+
+    from scaledmm.ops import fp8_block as fb
+    from scaledmm.ops import fp8_wgmma as fw
+
+    m, n, k = 100, 208, 1040  # K: nine scale groups, the last 16 wide
+    fp8 = torch.float8_e4m3fn
+    a, b = ctx.randn(m, k, scale=2.0).to(fp8), ctx.randn(n, k, scale=2.0).to(fp8)
+    sa, sb = ctx.rand(m, 9), ctx.rand(2, 9)
+    ref = fb.reference_mm_f32(a, b, sa, sb, (128, 128)).double()
+    a_d, b_d, sb_d = a.to(ctx.dev), b.to(ctx.dev), sb.to(ctx.dev)
+    sa_d = sa.to(ctx.dev).t().contiguous().t() if chain == 4 else sa.to(ctx.dev)
+    need_backend("fp8_block", "cuda_wgmma", fb.problem(a_d, b_d, (128, 128), torch.bfloat16, chain == 4))
+    cfg = fw.WgmmaConfig(64, 1, 4, 2, 4) if chain == 4 else fw.WgmmaConfig(64, 2, 4, 1, 1)
+    first, out = ctx.twice(lambda: fw.block_mm(a_d, b_d, sa_d, sb_d, (128, 128), torch.bfloat16, cfg=cfg))
+    return close(out, ref, 1e-2, first)
+
+
 def case_nvfp4_mid_ring(ctx: Ctx):
     """cuda_mid with the cp.async weight ring (``MidConfig.ring``, not in any
     table yet): W4A4 at M = 100 (two 64-row slices), strided, split K in two
@@ -658,6 +684,8 @@ CHILD_CASES = {
     "fp8_wgmma_split": lambda ctx: case_fp8_wgmma(ctx, True),
     "fp8_wgmma_tensor": lambda ctx: case_fp8_wgmma(ctx, False),
     "fp8_wgmma_two_wg": lambda ctx: case_fp8_wgmma(ctx, True, 2),
+    "fp8_wgmma_block_chain": lambda ctx: case_fp8_wgmma_block(ctx, 4),
+    "fp8_wgmma_block_two_wg": lambda ctx: case_fp8_wgmma_block(ctx, 1),
     "fp8_tri_quant": case_fp8_quant,
     "skinny_v1": lambda ctx: case_skinny(ctx, "reg"),
     "skinny_v2": lambda ctx: case_skinny(ctx, "tma"),

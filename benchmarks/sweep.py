@@ -150,6 +150,13 @@ def _fp8_wgmma_configs(args, device):
     return fw.candidate_configs(b.shape[0], b.shape[1], a.shape[0])
 
 
+def _fp8_wgmma_block_configs(args, device):
+    from scaledmm.ops import fp8_wgmma as fw
+
+    a, b = args[0], args[1]
+    return fw.candidate_configs(b.shape[0], b.shape[1], a.shape[0], block=True)
+
+
 _GEMV, _MID, _FP8_GEMV = "scaledmm.ops.nvfp4_gemv", "scaledmm.ops.nvfp4_mid", "scaledmm.ops.fp8_gemv"
 _WGMMA, _FP8_WGMMA = "scaledmm.ops.nvfp4_wgmma", "scaledmm.ops.fp8_wgmma"
 KERNELS: dict[str, SweepKernel] = {
@@ -177,6 +184,9 @@ KERNELS: dict[str, SweepKernel] = {
     "fp8_wgmma": SweepKernel("fp8", "fp8_scaled_mm", f"{_FP8_WGMMA}.WgmmaConfig", _fp8_wgmma_configs,
                              _cuda_call(_FP8_WGMMA, "wgmma_mm"), _gate(_FP8_WGMMA), "llama8b",
                              (8, 16, 32, 64, 128, 256)),
+    "fp8_wgmma_block": SweepKernel("fp8_block", "fp8_block_mm", f"{_FP8_WGMMA}.WgmmaConfig", _fp8_wgmma_block_configs,
+                                   _cuda_call(_FP8_WGMMA, "block_mm"), _gate(_FP8_WGMMA), "llama8b",
+                                   (1, 8, 16, 32, 64, 128, 256)),
 }
 
 

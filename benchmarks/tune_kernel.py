@@ -73,6 +73,7 @@ KERNELS: dict[str, Kernel] = {
     "nvfp4_triton": Kernel("scaledmm.ops.nvfp4_triton", "GemmConfig", "max_m"),
     "nvfp4_wgmma": Kernel("scaledmm.ops.nvfp4_wgmma", "WgmmaConfig", "max_m"),
     "fp8_wgmma": Kernel("scaledmm.ops.fp8_wgmma", "WgmmaConfig", "max_m"),
+    "fp8_wgmma_block": Kernel("scaledmm.ops.fp8_wgmma", "WgmmaConfig", "max_m"),
 }
 
 _TRUE, _FALSE = {"1", "true", "True"}, {"0", "false", "False"}

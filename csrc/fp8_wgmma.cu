@@ -3,10 +3,12 @@
 // shared-memory ring and meet on wgmma's e4m3 tensor cores.
 //
 //     out[m, n] = sum_k a[m, k] b[n, k] * sa[m] * sb[n] (+ bias[n])
+//     out[m, n] = sum_kb (sum_{k in kb} a[m, k] b[n, k]) sa[m, kb] sb[n / 128, kb]   (G_BLOCK)
 //
 // a: e4m3 [m, K] (rows 16-byte aligned); b: e4m3 [N, K] contiguous; sa / sb
 // fp32, one element (step 0) or one per row / column (step: the scales'
-// stride in elements).  Compiled at
+// stride in elements); with G_BLOCK, DeepSeek-V3's 1 x 128 activation and
+// 128 x 128 weight block scales (any strides).  Compiled at
 // run time with NVRTC; one cubin per (N, K, config, output / bias dtype):
 //
 //   G_N, G_K     problem size (K % 16 == 0; any N >= 1)
@@ -16,8 +18,12 @@
 //   G_ST         pipeline stages of 128 K (2 .. 8)
 //   G_SPLIT      CTAs per cluster along K (1, 2, 4); partial tiles added
 //                through distributed shared memory in rank order
+//   G_CHAIN      k32 steps summed in the tensor core per fp32 promotion:
+//                1 (every step a fresh fragment) or 4 (one per 128-K stage)
+//   G_BLOCK      0: per-tensor / row / column scales in the epilogue;
+//                1: block scales applied at each stage's promotion
 //   G_OUT        0: bf16, 1: fp16, 2: fp32 output
-//   G_BIAS       0: none, 1: fp32, 2: bf16, 3: fp16 bias
+//   G_BIAS       0: none, 1: fp32, 2: bf16, 3: fp16 bias (not with G_BLOCK)
 //
 // Design:
 //  * Swap AB: weight rows are the MMA's M (64 per warpgroup whatever the
@@ -29,17 +35,25 @@
 //    Rows past m / N and columns past K arrive as zeros, so K needs no tail
 //    code.  Each stage has a full barrier (expect_tx) and an empty one (one
 //    arrival per consumer warp, once the MMAs that read the slot retired).
-//  * fp32 accumulation across K: every k32 wgmma writes a fresh fragment
-//    (scale-d 0) that is added to the fp32 accumulators; chained inside the
-//    tensor core the e4m3 sums lose bits against fp32 (fp8_gemv.cu found the
-//    same for mma.sync).  The 32 products of one step are summed by the
-//    tensor core itself, a little short of fp32 (tests/test_fp8_wgmma.py).
-//    A stage's four steps go in one group of four fragments (BT <= 32, or
-//    64 with one warpgroup) or two groups of two, each group retired with
-//    wait_group 0 before its fragments are added: ptxas serializes every
-//    wgmma of a loop whose accumulators are read while any wgmma is in
-//    flight.  The second warpgroup and the other CTAs of the SM keep the
-//    tensor cores busy meanwhile.
+//  * fp32 accumulation across K: chained inside the tensor core the e4m3
+//    sums lose bits against fp32 (fp8_gemv.cu found the same for mma.sync),
+//    so partial sums are promoted into fp32 accumulators.  G_CHAIN 1: every
+//    k32 wgmma writes a fresh fragment (scale-d 0) that is added; the 32
+//    products of one step are summed by the tensor core itself, a little
+//    short of fp32 (tests/test_fp8_wgmma.py).  A stage's four steps go in one
+//    group of four fragments (BT <= 32, or 64 with one warpgroup) or two
+//    groups of two.  G_CHAIN 4: the stage's four steps chain into one
+//    fragment (the precision of cuBLAS's and DeepGEMM's FP8 GEMMs: one
+//    promotion per 128 K), one wait and a quarter of the adds per stage, two
+//    fragments' registers instead of five.  Each group is retired with
+//    wait_group 0 before it is read: ptxas serializes every wgmma of a loop
+//    whose accumulators are read while any wgmma is in flight.  The second
+//    warpgroup and the other CTAs of the SM keep the tensor cores busy
+//    meanwhile.
+//  * G_BLOCK: the promotion is acc += f * (sa[m, kb] sb[nb, kb]); a
+//    warpgroup's 64 weight rows lie in one 128-row scale block, so sb is one
+//    value per stage and warpgroup, sa one per activation row the thread
+//    holds; both are loaded while the stage's MMAs run.
 //  * Epilogue from the accumulators: (acc * sa[m]) * sb[n] (+ bias), one
 //    rounding to the output dtype.  Split K: each rank's fp32 tile to its
 //    shared memory, rank 0 adds ranks 1.. in order.  Deterministic, no
@@ -69,6 +83,12 @@
 #ifndef G_SPLIT
 #define G_SPLIT 1
 #endif
+#ifndef G_CHAIN
+#define G_CHAIN 1
+#endif
+#ifndef G_BLOCK
+#define G_BLOCK 0
+#endif
 #ifndef G_OUT
 #define G_OUT 0
 #endif
@@ -92,15 +112,25 @@ constexpr int THREADS_ALL = THREADS + 32;  // + the producer warp
 constexpr int KB = 128;  // K per stage: one 128-byte swizzle row of e4m3
 constexpr int NKB = (K + KB - 1) / KB;
 constexpr int ACC = BT / 2;  // fp32 accumulators per thread (m64 x BT over 128 threads)
-// k32 steps in flight together, each into its own fresh fragment: the whole
-// stage where the registers allow, else two groups of two.
-constexpr int FR = ACC <= 16 || (ACC == 32 && WGS == 1) ? 4 : 2;
+constexpr int CHAIN = G_CHAIN;
+// Fragments in flight together: with CHAIN 1 each k32 step its own (the
+// whole stage where the registers allow, else two groups of two); with
+// CHAIN 4 one, the whole stage chained into it.
+constexpr int FR = CHAIN == 4 ? 1 : (ACC <= 16 || (ACC == 32 && WGS == 1) ? 4 : 2);
+constexpr int GROUPS = CHAIN == 4 ? 1 : 4 / FR;  // wait_group 0 points per stage
+constexpr int STEPS = CHAIN == 4 ? 4 : FR;  // k32 steps per group
 constexpr int X_BYTES = BT * 128;
 constexpr int W_BYTES = BN * 128;
 constexpr int STAGE_BYTES = X_BYTES + W_BYTES;  // both multiples of the 1024-byte swizzle atom
 constexpr int RED_BYTES = SPLIT > 1 ? ACC * THREADS * 4 : 0;
 constexpr int BODY_BYTES = STAGES * STAGE_BYTES > RED_BYTES ? STAGES * STAGE_BYTES : RED_BYTES;
-constexpr int SMEM_BYTES = BODY_BYTES + 16 * STAGES + 1024;  // + barriers, + aligning the base to 1024
+// G_BLOCK: each stage's activation scales (BT fp32, copied by the producer
+// warp's cp.async) and the CTA's weight scales of its K range, after the
+// barriers.
+constexpr int BAR_BYTES = 16 * STAGES;
+constexpr int SA_SLOT = BT * 4;
+constexpr int SCALE_BYTES = G_BLOCK ? STAGES * SA_SLOT + (NKB + 31) / 32 * 128 : 0;
+constexpr int SMEM_BYTES = BODY_BYTES + BAR_BYTES + SCALE_BYTES + 1024;  // + barriers, + base alignment
 static_assert(SMEM_BYTES <= 227 * 1024, "the stages (or the split-K tile) exceed the shared memory of an SM");
 
 static_assert(K % 16 == 0 && K > 0, "K must be a positive multiple of 16");
@@ -109,35 +139,53 @@ static_assert(WGS == 1 || WGS == 2, "G_WG must be 1 or 2");
 static_assert(STAGES >= 2 && STAGES <= 8, "G_ST must be 2..8");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "G_SPLIT must be 1, 2 or 4");
 static_assert(G_OUT >= 0 && G_OUT <= 2 && G_BIAS >= 0 && G_BIAS <= 3, "G_OUT 0..2, G_BIAS 0..3");
+static_assert(CHAIN == 1 || CHAIN == 4, "G_CHAIN must be 1 or 4");
+static_assert(G_BLOCK == 0 || G_BLOCK == 1, "G_BLOCK must be 0 or 1");
+static_assert(G_BLOCK == 0 || G_BIAS == 0, "the block-scaled GEMM adds no bias");
+
+// 4 bytes global -> shared, asynchronous; src_bytes 0 writes zeros.
+__device__ __forceinline__ void cp_async_4(u32 dst, const float* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// One arrival on the mbarrier once this thread's cp.asyncs have landed (counted
+// in the barrier's arrivals: noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 
 __device__ __forceinline__ void add(float (&acc)[ACC], const float (&d)[ACC]) {
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] += d[i];
 }
 
-// D = A (64 x 32, K-major, a_desc) * B (BT x 32, K-major, b_desc), e4m3 in,
-// fp32 out, D not read (scale-d false): one fresh fragment per k32 step.
+// D (+)= A (64 x 32, K-major, a_desc) * B (BT x 32, K-major, b_desc), e4m3
+// in, fp32 out; D is read only when CH (scale-d), so a fragment starts
+// fresh at each promotion.
+template <int CH>
 __device__ __forceinline__ void wgmma_ss(float (&d)[8], u64 a_desc, u64 b_desc) {
-  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 0, 0;\n\t"
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %10, 0;\n\t"
                "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {"
                "%0,%1,%2,%3,%4,%5,%6,%7"
                "}, %8, %9, p, 1, 1;\n\t}"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-               : "l"(a_desc), "l"(b_desc));
+               : "l"(a_desc), "l"(b_desc), "n"(CH));
 }
 
+template <int CH>
 __device__ __forceinline__ void wgmma_ss(float (&d)[16], u64 a_desc, u64 b_desc) {
-  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 0, 0;\n\t"
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %18, 0;\n\t"
                "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
                "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
                "}, %16, %17, p, 1, 1;\n\t}"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
                  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-               : "l"(a_desc), "l"(b_desc));
+               : "l"(a_desc), "l"(b_desc), "n"(CH));
 }
 
+template <int CH>
 __device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 a_desc, u64 b_desc) {
-  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 0, 0;\n\t"
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"
                "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
                "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"
                "%26,%27,%28,%29,%30,%31"
@@ -147,11 +195,12 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[32], u64 a_desc, u64 b_desc)
                  "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
                  "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
                  "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-               : "l"(a_desc), "l"(b_desc));
+               : "l"(a_desc), "l"(b_desc), "n"(CH));
 }
 
+template <int CH>
 __device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 a_desc, u64 b_desc) {
-  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 0, 0;\n\t"
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %66, 0;\n\t"
                "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
                "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"
                "%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,"
@@ -166,7 +215,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 a_desc, u64 b_desc)
                  "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
                  "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
                  "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-               : "l"(a_desc), "l"(b_desc));
+               : "l"(a_desc), "l"(b_desc), "n"(CH));
 }
 
 }  // namespace f8w
@@ -181,12 +230,18 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 a_desc, u64 b_desc)
 // shared memory f8w::SMEM_BYTES, clusters of (1, 1, SPLIT).  tmap_a: the
 // activation [m, K] (bytes, box 128 x BT, 128-byte swizzle); tmap_b: the
 // weight [N, K] (bytes, box 128 x BN, 128-byte swizzle); both zero-fill past
-// the tensor.  sa[mm * sa_step], sb[n * sb_step]: the scales.  out: [m, N]
-// contiguous.
+// the tensor.  sa[mm * sa_step], sb[n * sb_step]: the scales.  G_BLOCK:
+// sa[mm * sa_m + kb * sa_k], sb[(n / 128) * sb_n + kb * sb_k] (any strides).
+// out: [m, N] contiguous.
 extern "C" __global__ void G_CLUSTER __launch_bounds__(f8w::THREADS_ALL, 1)
 fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8w::TmaMap tmap_b,
+#if G_BLOCK
+          const float* __restrict__ sa, int sa_m, int sa_k, const float* __restrict__ sb, int sb_n, int sb_k,
+#else
           const float* __restrict__ sa, int sa_step, const float* __restrict__ sb, int sb_step,
-          const void* __restrict__ bias, void* __restrict__ out, int m) {
+          const void* __restrict__ bias,
+#endif
+          void* __restrict__ out, int m) {
   using namespace f8w;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const u32 smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -200,21 +255,41 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
 
   int kb0;
   const int nk = stage_range<NKB, SPLIT>(kb0);
-  ring_init<STAGES>(bars, 4 * WGS);
+  // G_BLOCK: a stage is full after the TMA bytes and the 32 producer lanes'
+  // scale copies.
+  ring_init<STAGES>(bars, 4 * WGS, G_BLOCK ? 33 : 1);
+#if G_BLOCK
+  const u32 sa_smem = bars + BAR_BYTES;
+  float* sw_smem = reinterpret_cast<float*>(smem_raw + (sa_smem + STAGES * SA_SLOT - smem_addr(smem_raw)));
+  // The CTA's weight scales (one 128-row block: BN <= 128 and n0 % BN == 0).
+  for (int i = tid; i < nk; i += THREADS_ALL) sw_smem[i] = sb[(n0 / 128) * sb_n + (kb0 + i) * sb_k];
+  __syncthreads();
+#endif
 
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
 
   if (producer) {
-    if (lane == 0) {
+    if (G_BLOCK || lane == 0) {
       for (int i = 0; i < nk; ++i) {
         const int slot = i % STAGES;
         mbar_wait(bars + 8 * (STAGES + slot), ((i / STAGES) & 1) ^ 1);  // the slot's last readers are done
         const u32 full = bars + 8 * slot, base = smem0 + slot * STAGE_BYTES;
-        mbar_expect_tx(full, STAGE_BYTES);
-        tma_2d(base, &tmap_a, (kb0 + i) * KB, m0, full);
-        tma_2d(base + X_BYTES, &tmap_b, (kb0 + i) * KB, n0, full);
+        if (lane == 0) {
+          mbar_expect_tx(full, STAGE_BYTES);
+          tma_2d(base, &tmap_a, (kb0 + i) * KB, m0, full);
+          tma_2d(base + X_BYTES, &tmap_b, (kb0 + i) * KB, n0, full);
+        }
+#if G_BLOCK
+        // Rows past m read nothing and land as zeros.
+        for (int r = lane; r < BT; r += 32) {
+          const int mm = m0 + r < m ? m0 + r : 0;
+          cp_async_4(sa_smem + slot * SA_SLOT + 4 * r, sa + (long long)mm * sa_m + (long long)(kb0 + i) * sa_k,
+                     m0 + r < m ? 4 : 0);
+        }
+        cp_async_arrive_noinc(full);
+#endif
       }
     }
     __syncwarp();
@@ -222,25 +297,50 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
     const int wgi = tid >> 7;
     const u64 a_desc0 = smem_desc(smem0 + X_BYTES + wgi * 64 * 128);  // this warpgroup's 64 weight rows
     const u64 b_desc0 = smem_desc(smem0);
-    float f[FR][ACC];  // fresh fragments, one per k32 step of a group
+    float f[FR][ACC];  // the fragments of one group
     u32 slot = 0, phase = 0;
     for (int i = 0; i < nk; ++i) {
       mbar_wait(bars + 8 * slot, phase);
       const u64 off = (u64)((slot * STAGE_BYTES) >> 4);
 #pragma unroll
-      for (int q = 0; q < 4 / FR; ++q) {
+      for (int q = 0; q < GROUPS; ++q) {
         wgmma_fence();
 #pragma unroll
-        for (int r = 0; r < FR; ++r) {
-          const int j = q * FR + r;
-          wgmma_ss(f[r], a_desc0 + off + 2 * j, b_desc0 + off + 2 * j);
+        for (int r = 0; r < STEPS; ++r) {
+          const int j = q * STEPS + r;
+          if (CHAIN == 4 && r > 0) {
+            wgmma_ss<1>(f[0], a_desc0 + off + 2 * j, b_desc0 + off + 2 * j);
+          } else {
+            wgmma_ss<0>(f[CHAIN == 4 ? 0 : r], a_desc0 + off + 2 * j, b_desc0 + off + 2 * j);
+          }
         }
         wgmma_commit();
+#if G_BLOCK
+        // This stage's scales, read while its MMAs run: D fragment column
+        // 8 c + 2 t4 + e (activation row) -> sc[2 c + e].
+        float sc[BT / 4];
+        {
+          const float w = sw_smem[i];
+          const float* sa_s = reinterpret_cast<const float*>(
+              smem_raw + (sa_smem + slot * SA_SLOT - smem_addr(smem_raw))) + 2 * (lane & 3);
+#pragma unroll
+          for (int c = 0; c < BT / 8; ++c) {
+            const float2 v = *reinterpret_cast<const float2*>(sa_s + 8 * c);
+            sc[2 * c] = v.x * w;
+            sc[2 * c + 1] = v.y * w;
+          }
+        }
+#endif
         wgmma_wait<0>();
 #pragma unroll
         for (int r = 0; r < FR; ++r) {
           pin(f[r]);
+#if G_BLOCK
+#pragma unroll
+          for (int e = 0; e < ACC; ++e) acc[e] = __fmaf_rn(f[r][e], sc[((e >> 2) << 1) | (e & 1)], acc[e]);
+#else
           add(acc, f[r]);
+#endif
         }
       }
       __syncwarp();
@@ -266,9 +366,13 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
     const int n = n0 + wgi * 64 + warp * 16 + g + ((i >> 1) & 1) * 8;
     const int mm = m0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
     if (n < N && mm < m) {
+#if G_BLOCK
+      store_out<G_OUT, N>(out, acc[i], mm, n);
+#else
       float v = __fmul_rn(__fmul_rn(acc[i], sa[mm * sa_step]), sb[n * sb_step]);
       if (G_BIAS != 0) v = __fadd_rn(v, bias_at<G_BIAS>(bias, n));
       store_out<G_OUT, N>(out, v, mm, n);
+#endif
     }
   }
 }

@@ -59,16 +59,17 @@ __device__ __forceinline__ int stage_range(int& kb0) {
   return nk < 0 ? 0 : nk;
 }
 
-// The ring's barriers at ``bars``: full[s] (one arrival: the producer's
-// expect_tx), then empty[s] (one arrival per consumer warp); then the
-// programmatic-dependent-launch wait (no global access before it) and
-// trigger, and a CTA barrier.  Every thread calls it.
+// The ring's barriers at ``bars``: full[s] (``full_arrivals``: the
+// producer's expect_tx, and any copies that arrive on it), then empty[s] (one
+// arrival per consumer warp); then the programmatic-dependent-launch wait (no
+// global access before it) and trigger, and a CTA barrier.  Every thread
+// calls it.
 template <int STAGES>
-__device__ __forceinline__ void ring_init(u32 bars, u32 consumer_warps) {
+__device__ __forceinline__ void ring_init(u32 bars, u32 consumer_warps, u32 full_arrivals = 1) {
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bars + 8 * s, 1);
+      mbar_init(bars + 8 * s, full_arrivals);
       mbar_init(bars + 8 * (STAGES + s), consumer_warps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

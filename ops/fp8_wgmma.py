@@ -132,12 +132,16 @@ class WgmmaConfig:
         TMA ring stages of 128 K (2-8); the producer runs up to ``stages - 1`` ahead.
     split_k : int
         CTAs per cluster splitting K (1, 2, 4); partial tiles added through DSMEM.
+    chain : int
+        k32 steps summed inside the tensor core per fp32 promotion: 1 (each
+        step a fresh fragment) or 4 (one promotion per 128-K stage).
     """
 
     tile_m: int = 64
     warpgroups: int = 2
     stages: int = 6
     split_k: int = 1
+    chain: int = 1
 
     def rows(self) -> int:
         return 64 * self.warpgroups
@@ -147,41 +151,49 @@ class WgmmaConfig:
         return 128 * self.warpgroups + 32
 
     def fragments(self) -> int:
-        """Fresh k32 fragments in flight together (the kernel's FR)."""
+        """Fragments in flight together (the kernel's FR): one per k32 step
+        of a group with ``chain`` 1, one per stage with ``chain`` 4."""
+        if self.chain == 4:
+            return 1
         return 4 if self.tile_m <= 32 or (self.tile_m == 64 and self.warpgroups == 1) else 2
 
-    def registers(self) -> int:
-        """Estimated registers per thread (the accumulators, the fresh
-        fragments, descriptors and addresses), an upper bound of ptxas' count
-        (checked by the tests)."""
-        return (self.fragments() + 1) * self.tile_m // 2 + 32
+    def registers(self, block: bool = False) -> int:
+        """Estimated registers per thread (the accumulators, the fragments,
+        with ``block`` the stage's scales, descriptors and addresses), an
+        upper bound of ptxas' count (checked by the tests)."""
+        return (self.fragments() + 1) * self.tile_m // 2 + 32 + (self.tile_m // 4 if block else 0)
 
     def stage_bytes(self) -> int:
         return (self.tile_m + self.rows()) * KB
 
-    def smem_bytes(self) -> int:
+    def smem_bytes(self, k: int = 0, block: bool = False) -> int:
         """Dynamic shared memory: the stages (or the split-K partial tile),
-        their two barriers each, and 1 KiB to align the base for the 128-byte
-        swizzle."""
+        their two barriers each, with ``block`` each stage's activation scales
+        and the CTA's weight scales (``k`` the reduction length), and 1 KiB to
+        align the base for the 128-byte swizzle."""
         red = self.tile_m * self.rows() * 4 if self.split_k > 1 else 0
-        return max(self.stages * self.stage_bytes(), red) + 16 * self.stages + 1024
+        scales = self.stages * self.tile_m * 4 + (-(-k // KB) + 31) // 32 * 128 if block else 0
+        return max(self.stages * self.stage_bytes(), red) + 16 * self.stages + scales + 1024
 
     def grid(self, n: int, m: int) -> tuple[int, int, int]:
         """(activation tiles, weight tiles, split_k): the activation tiles of a
         weight tile run side by side and meet it in L2."""
         return (-(-m // self.tile_m), -(-n // self.rows()), self.split_k)
 
-    def defines(self, n: int, k: int, out_dtype: torch.dtype, bias_dtype: torch.dtype | None) -> dict[str, int]:
+    def defines(self, n: int, k: int, out_dtype: torch.dtype, bias_dtype: torch.dtype | None,
+                block: bool = False) -> dict[str, int]:
         return {"G_N": n, "G_K": k, "G_BT": self.tile_m, "G_WG": self.warpgroups, "G_ST": self.stages,
-                "G_SPLIT": self.split_k, "G_OUT": OUT_CODES[out_dtype], "G_BIAS": BIAS_CODES[bias_dtype]}
+                "G_SPLIT": self.split_k, "G_CHAIN": self.chain, "G_BLOCK": int(block),
+                "G_OUT": OUT_CODES[out_dtype], "G_BIAS": BIAS_CODES[bias_dtype]}
 
     def short(self) -> str:
-        return f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}"
+        return f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}" + ("c4" if self.chain == 4 else "")
 
 
-def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
+def config_valid(cfg: WgmmaConfig, n: int, k: int, block: bool = False) -> tuple[bool, str]:
     """THE validity predicate of a config for a shape (dispatch, benchmark and
-    tests).  Mirrors the kernel's static_asserts and the resource limits."""
+    tests), of the block-scaled kernel with ``block``.  Mirrors the kernel's
+    static_asserts and the resource limits."""
     if not isinstance(cfg, WgmmaConfig):
         return False, f"expected a WgmmaConfig, got {type(cfg).__name__}"
     if n <= 0 or k <= 0 or k % 16 != 0:
@@ -194,71 +206,79 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
         return False, f"stages must be 2..8, got {cfg.stages}"
     if cfg.split_k not in (1, 2, 4):
         return False, f"split_k must be 1, 2 or 4, got {cfg.split_k}"
+    if cfg.chain not in (1, 4):
+        return False, f"chain must be 1 or 4, got {cfg.chain}"
     nkb = -(-k // KB)
     if (cfg.split_k - 1) * -(-nkb // cfg.split_k) >= nkb:
         return False, f"split_k {cfg.split_k} leaves a cluster rank without any of the {nkb} K stages"
     limit = REG_LIMIT[cfg.warpgroups]
-    if cfg.registers() > limit:
-        return False, f"about {cfg.registers()} registers per thread, over the limit {limit} of {cfg.threads()} threads"
-    if cfg.smem_bytes() > SMEM_MAX:
-        return False, f"{cfg.smem_bytes()} bytes of shared memory, over {SMEM_MAX}"
+    if cfg.registers(block) > limit:
+        return False, (f"about {cfg.registers(block)} registers per thread, over the limit {limit} of "
+                       f"{cfg.threads()} threads")
+    if cfg.smem_bytes(k, block) > SMEM_MAX:
+        return False, f"{cfg.smem_bytes(k, block)} bytes of shared memory, over {SMEM_MAX}"
     return True, "ok"
 
 
-def tuned(n: int, k: int, m: int) -> WgmmaConfig | None:
+def tuned(n: int, k: int, m: int, block: bool = False) -> WgmmaConfig | None:
     """The measured config for an ``N x K`` weight at ``m`` rows, or None
-    (read once from ``scaledmm/tuning/kernels/fp8_wgmma_sm90.json``, written by
-    ``python -m benchmarks.tune <sweep.csv> --kernel fp8_wgmma``).
+    (read once from ``scaledmm/tuning/kernels/fp8_wgmma_sm90.json``, with
+    ``block`` ``fp8_wgmma_block_sm90.json``, written by
+    ``python -m benchmarks.tune <sweep.csv> --kernel fp8_wgmma[_block]``).
 
     Examples
     --------
     >>> tuned(64, 128, 64) is None
     True
     """
-    return _table().lookup(n, k, m)
+    return _table(block).lookup(n, k, m)
 
 
-def _table() -> kernel_tuning.KernelTable:
-    return kernel_tuning.load("fp8_wgmma", "sm90", WgmmaConfig)
+def _table(block: bool) -> kernel_tuning.KernelTable:
+    return kernel_tuning.load("fp8_wgmma_block" if block else "fp8_wgmma", "sm90", WgmmaConfig)
 
 
-def default_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> WgmmaConfig:
+def default_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block: bool = False) -> WgmmaConfig:
     """A config for an unseen shape, the pattern of the measured table: the
     smallest activation tile that covers M (64 above 32 rows: more tiles
     share each weight tile through L2), one warpgroup, eight stages, K split
-    in two when the tiles leave SMs idle and each half keeps 8 stages.
+    in two when the tiles leave SMs idle and each half keeps 8 stages; the
+    block-scaled kernel promotes once per stage (its scales multiply there).
 
     Examples
     --------
     >>> default_config(4096, 4096, 8).short(), default_config(28672, 4096, 64).short()
     ('m16g1s8k2', 'm64g1s8k1')
+    >>> default_config(2112, 7168, 8, block=True).short()
+    'm16g1s8k2c4'
     """
     tile = next(t for t in TILES[:3] if t >= min(m, 64))
-    cfg = WgmmaConfig(tile, 1, 8, 1)
+    cfg = WgmmaConfig(tile, 1, 8, 1, 4 if block else 1)
     grid = cfg.grid(n, m)
     if grid[0] * grid[1] < num_sms and -(-k // KB) >= 16:
         cfg = dataclasses.replace(cfg, split_k=2)
-    return cfg if config_valid(cfg, n, k)[0] else WgmmaConfig(tile, 1, 4, 1)
+    return cfg if config_valid(cfg, n, k, block)[0] else dataclasses.replace(cfg, stages=4, split_k=1)
 
 
 @functools.lru_cache(maxsize=4096)  # once per shape and M: every launch asks
-def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> WgmmaConfig:
+def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block: bool = False) -> WgmmaConfig:
     """The measured config (:func:`tuned`) or :func:`default_config`."""
-    cfg = tuned(n, k, m)
-    if cfg is None or not config_valid(cfg, n, k)[0]:
-        cfg = default_config(n, k, m, num_sms)
+    cfg = tuned(n, k, m, block)
+    if cfg is None or not config_valid(cfg, n, k, block)[0]:
+        cfg = default_config(n, k, m, num_sms, block)
     return cfg
 
 
-def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> list[WgmmaConfig]:
+def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block: bool = False) -> list[WgmmaConfig]:
     """The benchmark's sweep: the chosen config first, then every valid
-    tile x warpgroups x stages x split point with one of two tiles: the two
-    smallest that cover M, or the largest two where at most one does."""
-    first = choose_config(n, k, m, num_sms)
+    tile x warpgroups x stages x split x chain point with one of two tiles:
+    the two smallest that cover M, or the largest two where at most one does."""
+    first = choose_config(n, k, m, num_sms, block)
     covering = [t for t in TILES if t >= m][:2]
     covering = covering if len(covering) == 2 else list(TILES[-2:])
-    found = [WgmmaConfig(t, g, s, sk) for t in covering for g in (2, 1) for s in (4, 6, 8) for sk in (1, 2, 4)]
-    return [first, *[c for c in found if c != first and config_valid(c, n, k)[0]]]
+    found = [WgmmaConfig(t, g, s, sk, c) for c in (1, 4) for t in covering for g in (2, 1) for s in (4, 6, 8)
+             for sk in (1, 2, 4)]
+    return [first, *[c for c in found if c != first and config_valid(c, n, k, block)[0]]]
 
 
 # ----------------------------------------------------------------------------
@@ -268,16 +288,19 @@ def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> li
 
 @functools.lru_cache(maxsize=None)
 def kernel_spec(n: int, k: int, cfg: WgmmaConfig, out_dtype: torch.dtype = torch.bfloat16,
-                bias_dtype: torch.dtype | None = None) -> jit.NvrtcKernelSpec:
-    """The NVRTC spec of one instantiation (validated)."""
+                bias_dtype: torch.dtype | None = None, block: bool = False) -> jit.NvrtcKernelSpec:
+    """The NVRTC spec of one instantiation (validated); ``block``: the
+    block-scaled kernel of ``fp8_block_mm``."""
     if out_dtype not in OUT_CODES:
         raise ValueError(f"out_dtype: expected bf16, fp16 or fp32, got {out_dtype}")
-    if bias_dtype not in BIAS_CODES:
-        raise ValueError(f"bias_dtype: expected None, fp32, bf16 or fp16, got {bias_dtype}")
-    ok, why = config_valid(cfg, n, k)
+    if bias_dtype not in BIAS_CODES or (block and bias_dtype is not None):
+        raise ValueError(f"bias_dtype: expected None{'' if block else ', fp32, bf16 or fp16'}, got {bias_dtype}")
+    ok, why = config_valid(cfg, n, k, block)
     if not ok:
-        raise ValueError(f"cfg: expected a valid config for N={n}, K={k}, got {cfg}: {why}")
-    return jit.NvrtcKernelSpec(KERNEL, source_path(), arch=ARCH, defines=cfg.defines(n, k, out_dtype, bias_dtype))
+        raise ValueError(f"cfg: expected a valid config for N={n}, K={k}{' (block)' if block else ''}, got {cfg}: "
+                         f"{why}")
+    return jit.NvrtcKernelSpec(KERNEL, source_path(), arch=ARCH,
+                               defines=cfg.defines(n, k, out_dtype, bias_dtype, block))
 
 
 def _scale_step(scale: torch.Tensor, kind: str) -> int:
@@ -341,8 +364,85 @@ def wgmma_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, cfg: W
     return launch(a, b, scale_a, scale_b, bias, f8.mm_output(a, b, out_dtype), cfg)
 
 
+def launch_block(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_scales: torch.Tensor,
+                 out: torch.Tensor, cfg: WgmmaConfig | None = None) -> torch.Tensor:
+    """Run the block-scaled kernel into ``out`` ([M, N], contiguous) on the
+    current stream: validated ``fp8_block_mm`` arguments with 128 x 128
+    blocks, M >= 1, ``a``'s rows and ``b`` 16-byte aligned; the scales are read
+    in place with any strides."""
+    m, k = a.shape
+    n = b.shape[0]
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    cfg = cfg or choose_config(n, k, m, sm_count(dev), True)
+    spec = kernel_spec(n, k, cfg, out.dtype, None, True)
+    a_map = jit.tensor_map_2d(a.data_ptr(), 1, k, m, a.stride(0), KB, cfg.tile_m, 128)
+    b_map = jit.tensor_map_2d(b.data_ptr(), 1, k, n, b.stride(0), KB, cfg.rows(), 128)
+    spec.kernel().launch(cfg.grid(n, m), cfg.threads(),
+                         (a_map, b_map, a_scales, ctypes.c_int(a_scales.stride(0)), ctypes.c_int(a_scales.stride(1)),
+                          b_scales, ctypes.c_int(b_scales.stride(0)), ctypes.c_int(b_scales.stride(1)), out,
+                          ctypes.c_int(m)),
+                         device=a.device, shared_mem=cfg.smem_bytes(k, True), pdl=pdl(a.device))
+    return out
+
+
+def block_can_implement(p: Problem) -> tuple[bool, str]:
+    """``fp8_block_mm`` with 128 x 128 blocks (DeepSeek-V3's 1 x 128
+    activation and 128 x 128 weight scales), bf16 / fp16 / fp32 output, any M,
+    K % 16 == 0.
+
+    Examples
+    --------
+    >>> import torch
+    >>> p = Problem(Family.FP8_BLOCK, torch.device("cpu"), 5, 2112, 7168, torch.float8_e4m3fn, torch.bfloat16,
+    ...             7168, (("block_size", (128, 128)), ("a_scales_col_major", True)))
+    >>> block_can_implement(p)
+    (True, 'any M; 128 x 128 blocks, K % 16 == 0')
+    """
+    if p.in_dtype != FP8_DTYPE:
+        return False, f"needs e4m3 operands, got {p.in_dtype}"
+    if p.out_dtype not in OUT_CODES:
+        return False, f"writes bf16, fp16 or fp32, got out_dtype={p.out_dtype}"
+    if tuple(p.opt("block_size", (128, 128))) != (KB, KB):
+        return False, f"needs block_size (128, 128), got {p.opt('block_size')}"
+    if p.k % 16 != 0 or p.k <= 0:
+        return False, f"needs K a positive multiple of 16, got K={p.k}"
+    return True, "any M; 128 x 128 blocks, K % 16 == 0"
+
+
+def block_mm(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16,
+             cfg: WgmmaConfig | None = None):
+    """Backend entry of ``fp8_block_mm`` (validated arguments): a fresh
+    ``[M, N]`` block-scaled product.  An activation whose rows are not 16-byte
+    aligned, or a weight that is not, is copied first (TMA).
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> from scaledmm.ops.fp8_block import quantize_weight
+    >>> x = torch.randn(8, 7168, device="cuda", dtype=torch.bfloat16)                    # doctest: +SKIP
+    >>> b, sb = quantize_weight(torch.randn(2112, 7168, device="cuda"))                 # doctest: +SKIP
+    >>> a, sa = torch.ops.scaledmm.per_token_group_quant_fp8(x, 128, 1e-10, True)       # doctest: +SKIP
+    >>> with scaledmm.use_backend("fp8_block", "cuda_wgmma"):                           # doctest: +SKIP
+    ...     out = torch.ops.scaledmm.fp8_block_mm(a, b, sa, sb)
+    """
+    if tuple(int(v) for v in block_size) != (KB, KB):
+        raise ValueError(f"block_size: expected (128, 128), got {tuple(block_size)}")
+    m, k = a.shape
+    out = torch.empty((m, b.shape[0]), dtype=out_dtype, device=a.device)
+    if m == 0 or b.shape[0] == 0:
+        return out
+    if b.data_ptr() % 16:
+        b = b.clone()
+    if a.data_ptr() % 16 or (m > 1 and a.stride(0) % 16):
+        a = a.clone(memory_format=torch.contiguous_format)
+    elif m == 1:
+        a = a.as_strided((1, k), (k, 1))
+    return launch_block(a, b, a_scales, b_scales, out, cfg)
+
+
 # ----------------------------------------------------------------------------
-# Backend registration (its place in automatic selection: scaledmm/tuning/fp8_sm90.json)
+# Backend registration (its place in automatic selection: scaledmm/tuning/fp8_sm90.json
+# and fp8_block_sm90.json)
 # ----------------------------------------------------------------------------
 
 
@@ -353,6 +453,14 @@ backends.register(Backend(
     can_implement=can_implement,
     description=f"NVRTC TMA + e4m3 wgmma (swap AB, fp32 accumulation, split K), any M, K % 16 == 0 (csrc/{SOURCE})",
 ))
+backends.register(Backend(
+    Family.FP8_BLOCK, NAME,
+    impls={"fp8_block_mm": block_mm},
+    is_supported=is_supported,
+    can_implement=block_can_implement,
+    description=(f"NVRTC TMA + e4m3 wgmma with 1x128 / 128x128 block scales at each 128-K promotion, any M, "
+                 f"K % 16 == 0 (csrc/{SOURCE})"),
+))
 
 
 # ----------------------------------------------------------------------------
@@ -362,19 +470,22 @@ backends.register(Backend(
 PREBUILD_M = (8, 16, 32, 64, 128, 256)
 
 
-def prebuild_specs(value: str) -> list[jit.NvrtcKernelSpec]:
+def prebuild_specs(value: str, block: bool = False) -> list[jit.NvrtcKernelSpec]:
     """Specs of the configs chosen at M = 8 .. 256 with bf16 output, no bias,
-    for each ``N:K``."""
+    for each ``N:K`` (``block``: of the block-scaled kernel)."""
     specs: dict[str, jit.NvrtcKernelSpec] = {}
-    for n, k in jit.parse_shapes(value, "fp8-wgmma"):
+    for n, k in jit.parse_shapes(value, "fp8-wgmma-block" if block else "fp8-wgmma"):
         for m in PREBUILD_M:
-            spec = kernel_spec(n, k, choose_config(n, k, m))
+            spec = kernel_spec(n, k, choose_config(n, k, m, block=block), block=block)
             specs.setdefault(spec.key, spec)
     return list(specs.values())
 
 
 jit.register_prebuild("fp8-wgmma", prebuild_specs,
                       help="N:K[,N:K...] FP8 wgmma kernels (the configs of M = 8 .. 256, bf16 output)")
+jit.register_prebuild("fp8-wgmma-block", functools.partial(prebuild_specs, block=True),
+                      help="N:K[,N:K...] block-scaled FP8 wgmma kernels (fp8_block_mm; M = 8 .. 256, bf16 output)")
 
-__all__ = ["WgmmaConfig", "can_implement", "candidate_configs", "choose_config", "config_valid", "default_config",
-           "is_supported", "kernel_spec", "launch", "prebuild_specs", "tuned", "wgmma_mm"]
+__all__ = ["WgmmaConfig", "block_can_implement", "block_mm", "can_implement", "candidate_configs", "choose_config",
+           "config_valid", "default_config", "is_supported", "kernel_spec", "launch", "launch_block", "prebuild_specs",
+           "tuned", "wgmma_mm"]

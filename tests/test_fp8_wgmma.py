@@ -1,5 +1,6 @@
-"""Backend ``cuda_wgmma`` of fp8 (ops/fp8_wgmma.py, csrc/fp8_wgmma.cu):
-``fp8_scaled_mm`` on TMA + e4m3 wgmma.
+"""Backend ``cuda_wgmma`` of fp8 and fp8_block (ops/fp8_wgmma.py,
+csrc/fp8_wgmma.cu): ``fp8_scaled_mm`` and ``fp8_block_mm`` on TMA + e4m3
+wgmma.
 
 CPU: NVRTC compiles (sm_90a, no GPU) of the instances dispatch and the sweep
 use, with no spills, within the register estimate and with no wgmma
@@ -12,11 +13,12 @@ and misaligned activation rows, NaN rows, M = 0, poisoned outputs,
 determinism, CUDA graphs, opcheck and ``torch.compile`` with
 ``reduce-overhead``.
 
-Two checks of the arithmetic.  Exact: integer-valued operands (|v| <= 8)
-and power-of-two scales make every partial sum an integer below 2**24, which
-any fp32 accumulation order and the tensor core's own sum keep exactly, so
-the output equals the float64 reference rounded once, bit for bit (a dropped,
-repeated or misplaced product shows).  Bounded, on random data with
+Two checks of the arithmetic.  Exact: integer-valued operands (|v| <= 8,
+or 4 where four k32 steps chain in the tensor core: a stage's sum stays
+below 2**11) and power-of-two scales make every partial sum an integer below
+2**24, which any fp32 accumulation order and the tensor core's own sum keep
+exactly, so the output equals the float64 reference rounded once, bit for
+bit (a dropped, repeated or misplaced product or scale shows).  Bounded, on random data with
 outliers, per element (``u = 2**-24``, ``S = sum_k |p_k|``): each k32 MMA
 writes a fresh fragment added to the fp32 accumulator, so a path has at most
 ``K + K / 16 + 8`` fp32 roundings (MMA adds, fragment adds, split-K rank adds,
@@ -24,7 +26,10 @@ the epilogue's two scale multiplies and bias add): ``(K + K / 16 + 8) u S``;
 inside one k32 MMA the e4m3 tensor core adds the products with fewer bits
 than fp32 (the sm90 FP8 MMA's limited accumulation precision: measured up to
 ``2**-12 S`` on the H200 at K = 144 and 16), which the bound takes as
-``2**-10 S``; the output rounding adds half an ulp of the output dtype.
+``2**-10 S``, and ``2**-9 S`` where a stage's four steps chain in the tensor
+core (``chain`` 4: four such sums, one promotion); the output rounding adds
+half an ulp of the output dtype.  The block-scaled kernel is held to the same
+bound with ``S`` over the scaled products.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ KINDS = [(f8.TOKEN, f8.CHANNEL), (f8.TENSOR, f8.TENSOR), (f8.TENSOR, f8.CHANNEL)
 U32 = 2.0 ** -24
 OUT_HALF_ULP = {BF16: 2.0 ** -8, F16: 2.0 ** -11, F32: 2.0 ** -24}
 OUT_TINY = {BF16: 0.0, F16: 2.0 ** -25, F32: 2.0 ** -150}
-MMA_REL = 2.0 ** -10  # the e4m3 tensor core's own k32 sum (module docstring)
+MMA_REL = {1: 2.0 ** -10, 4: 2.0 ** -9}  # the tensor core's own sums, by chain (module docstring)
+DSV3 = [(2112, 7168), (24576, 1536), (7168, 2048), (4096, 7168)]
 NAME = fw.NAME
 OPS = torch.ops.scaledmm
 nvrtc = pytest.mark.skipif(not jit.nvrtc_available()[0], reason="NVRTC not available")
@@ -65,34 +71,44 @@ def _instances():
     out = {}
     for n, k in LLAMA8B:
         for m in (8, 32, 64, 256):
-            out[(n, k, fw.choose_config(n, k, m), BF16, None)] = None
-    out[(4096, 4096, fw.WgmmaConfig(128, 1, 8, 4), F32, BF16)] = None
-    out[(208, 4112, fw.WgmmaConfig(16, 1, 2, 2), F16, F32)] = None
-    out[(1040, 144, fw.WgmmaConfig(32, 2, 8, 1), BF16, F16)] = None
+            out[(n, k, fw.choose_config(n, k, m), BF16, None, False)] = None
+            out[(n, k, fw.choose_config(n, k, m, block=True), BF16, None, True)] = None
+    for n, k in DSV3:
+        for m in (8, 64):
+            out[(n, k, fw.choose_config(n, k, m, block=True), BF16, None, True)] = None
+    out[(4096, 4096, fw.WgmmaConfig(128, 1, 8, 4), F32, BF16, False)] = None
+    out[(4096, 4096, fw.WgmmaConfig(128, 2, 4, 1, 4), F32, BF16, False)] = None
+    out[(208, 4112, fw.WgmmaConfig(16, 1, 2, 2), F16, F32, False)] = None
+    out[(1040, 144, fw.WgmmaConfig(32, 2, 8, 1), BF16, F16, False)] = None
+    out[(1040, 1040, fw.WgmmaConfig(64, 2, 8, 2, 1), F32, None, True)] = None
+    out[(1040, 1040, fw.WgmmaConfig(128, 1, 4, 2, 4), F16, None, True)] = None
     return list(out)
 
 
 @nvrtc
-@pytest.mark.parametrize("n,k,cfg,out_dtype,bias_dtype", _instances(),
+@pytest.mark.parametrize("n,k,cfg,out_dtype,bias_dtype,block", _instances(),
                          ids=lambda v: v.short() if hasattr(v, "short") else str(v).replace("torch.", ""))
-def test_instance_compiles_without_spills(n, k, cfg, out_dtype, bias_dtype):
-    assert fw.config_valid(cfg, n, k) == (True, "ok")
-    spec = fw.kernel_spec(n, k, cfg, out_dtype, bias_dtype)
+def test_instance_compiles_without_spills(n, k, cfg, out_dtype, bias_dtype, block):
+    assert fw.config_valid(cfg, n, k, block) == (True, "ok")
+    spec = fw.kernel_spec(n, k, cfg, out_dtype, bias_dtype, block)
     regs = nvrtc_registers(spec)
-    assert regs <= cfg.registers(), f"estimate {cfg.registers()} below the real {regs} registers"
+    assert regs <= cfg.registers(block), f"estimate {cfg.registers(block)} below the real {regs} registers"
     log = io.StringIO()
     spec.compile(logs=log, ptxas_options="-v")
     assert "serialized" not in log.getvalue(), log.getvalue()  # wgmma kept asynchronous
 
 
 @nvrtc
-def test_every_tile_shape_within_its_estimate():
+@pytest.mark.parametrize("block", [False, True])
+def test_every_tile_shape_within_its_estimate(block):
     """The estimate bounds ptxas' count over the space's extremes (the
     predicate that keeps configs under the per-quadrant limit relies on it)."""
-    for cfg in (fw.WgmmaConfig(64, 2, 8, 4), fw.WgmmaConfig(128, 1, 8, 4), fw.WgmmaConfig(32, 2, 8, 4),
-                fw.WgmmaConfig(16, 2, 8, 4)):
-        regs = nvrtc_registers(fw.kernel_spec(4096, 4096, cfg, F32, F32))
-        assert regs <= min(cfg.registers(), fw.REG_LIMIT[cfg.warpgroups]), (cfg, regs)
+    cfgs = [fw.WgmmaConfig(t, g, 8, 4, c) for t in fw.TILES for g in (1, 2) for c in (1, 4)]
+    cfgs = [c for c in cfgs if fw.config_valid(c, 4096, 4096, block)[0]]
+    assert len(cfgs) >= 10
+    for cfg in cfgs:
+        regs = nvrtc_registers(fw.kernel_spec(4096, 4096, cfg, F32, None if block else F32, block))
+        assert regs <= min(cfg.registers(block), fw.REG_LIMIT[cfg.warpgroups]), (cfg, regs)
 
 
 @nvrtc
@@ -114,6 +130,8 @@ def test_kernel_rejects_bad_defines():
     (fw.WgmmaConfig(), 0, 128, "N > 0"),
     (fw.WgmmaConfig(tile_m=128, warpgroups=2), 64, 128, "registers"),
     (fw.WgmmaConfig(tile_m=128, warpgroups=1, stages=8, split_k=1), 64, 128, "ok"),
+    (fw.WgmmaConfig(chain=2), 64, 128, "chain"),
+    (fw.WgmmaConfig(tile_m=128, warpgroups=2, chain=4), 64, 128, "ok"),
     ("m64", 64, 128, "WgmmaConfig"),
 ])
 def test_config_predicate(cfg, n, k, why):
@@ -121,28 +139,42 @@ def test_config_predicate(cfg, n, k, why):
     assert why in reason and ok == (why == "ok"), reason
 
 
-@pytest.mark.parametrize("n,k", LLAMA8B + [(1040, 4112), (208, 144), (16, 16)])
+@pytest.mark.parametrize("cfg,why", [
+    (fw.WgmmaConfig(tile_m=128, warpgroups=2, chain=4), "registers"),  # + the stage's 32 scales
+    (fw.WgmmaConfig(tile_m=64, warpgroups=2, chain=1), "ok"),
+    (fw.WgmmaConfig(tile_m=128, warpgroups=1, chain=4), "ok"),
+])
+def test_block_config_predicate(cfg, why):
+    ok, reason = fw.config_valid(cfg, 7168, 16384, block=True)
+    assert why in reason and ok == (why == "ok"), reason
+    assert fw.config_valid(cfg, 7168, 16384)[0]  # the same config without block scales fits
+
+
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("n,k", LLAMA8B + DSV3[:2] + [(1040, 4112), (208, 144), (16, 16)])
 @pytest.mark.parametrize("m", [1, 8, 17, 64, 100, 256, 4096])
-def test_default_and_candidates_are_valid(n, k, m):
-    cfgs = fw.candidate_configs(n, k, m)
-    assert cfgs[0] == fw.choose_config(n, k, m)
+def test_default_and_candidates_are_valid(n, k, m, block):
+    cfgs = fw.candidate_configs(n, k, m, block=block)
+    assert cfgs[0] == fw.choose_config(n, k, m, block=block)
     assert len(cfgs) == len(set(cfgs)) >= 2
+    assert {c.chain for c in cfgs} == {1, 4}
     for cfg in cfgs:
-        assert fw.config_valid(cfg, n, k) == (True, "ok"), cfg
+        assert fw.config_valid(cfg, n, k, block) == (True, "ok"), cfg
     grid = cfgs[0].grid(n, m)
     assert grid[0] * cfgs[0].tile_m >= m and grid[1] * cfgs[0].rows() >= n
 
 
-def test_tuning_table_rows_valid():
+@pytest.mark.parametrize("block", [False, True])
+def test_tuning_table_rows_valid(block):
     """Every shipped row is a valid config and what dispatch uses at its M."""
     from scaledmm import kernel_tuning
 
-    rows = kernel_tuning.load("fp8_wgmma", "sm90", fw.WgmmaConfig).by_shape()
+    rows = kernel_tuning.load("fp8_wgmma_block" if block else "fp8_wgmma", "sm90", fw.WgmmaConfig).by_shape()
     for (n, k), by_m in rows.items():
         for max_m, cfg in by_m.items():
-            assert fw.config_valid(cfg, n, k) == (True, "ok"), (n, k, max_m, cfg)
-            assert fw.tuned(n, k, min(max_m, 4096)) == cfg
-            assert fw.choose_config(n, k, min(max_m, 4096)) == cfg
+            assert fw.config_valid(cfg, n, k, block) == (True, "ok"), (n, k, max_m, cfg)
+            assert fw.tuned(n, k, min(max_m, 4096), block) == cfg
+            assert fw.choose_config(n, k, min(max_m, 4096), block=block) == cfg
 
 
 def test_kernel_spec_validates():
@@ -152,13 +184,20 @@ def test_kernel_spec_validates():
         fw.kernel_spec(64, 128, fw.WgmmaConfig(), FP8)
     with pytest.raises(ValueError, match="bias_dtype:"):
         fw.kernel_spec(64, 128, fw.WgmmaConfig(), BF16, torch.int32)
+    with pytest.raises(ValueError, match="bias_dtype:"):
+        fw.kernel_spec(64, 128, fw.WgmmaConfig(), BF16, F32, block=True)
+    with pytest.raises(ValueError, match=r"\(block\)"):
+        fw.kernel_spec(64, 128, fw.WgmmaConfig(128, 2, chain=4), block=True)
+    assert ("G_BLOCK", "1") in fw.kernel_spec(64, 128, fw.WgmmaConfig(64, 1, chain=4), block=True).defines
 
 
 def test_prebuild_hook():
-    specs = fw.prebuild_specs("4096:4096")
-    assert len({s.key for s in specs}) == len(specs) >= 3
-    with pytest.raises(ValueError, match="--fp8-wgmma"):
-        fw.prebuild_specs("4096x4096")
+    for block, flag in ((False, "--fp8-wgmma"), (True, "--fp8-wgmma-block")):
+        specs = fw.prebuild_specs("4096:4096", block)
+        assert len({s.key for s in specs}) == len(specs) >= 3
+        assert {dict(s.defines)["G_BLOCK"] for s in specs} == {str(int(block))}
+        with pytest.raises(ValueError, match=flag):
+            fw.prebuild_specs("4096x4096", block)
 
 
 # ----------------------------------------------------------------------------
@@ -228,6 +267,34 @@ def test_explicit_request_on_cpu_explains():
         OPS.fp8_scaled_mm(a, b, one, one)
 
 
+def _block_problem(m, n=2112, k=7168, block=(128, 128), in_dtype=FP8, out_dtype=BF16):
+    return Problem(Family.FP8_BLOCK, torch.device("cuda", 0), m, n, k, in_dtype, out_dtype, k,
+                   (("block_size", block), ("a_scales_col_major", True)))
+
+
+@pytest.mark.parametrize("p,why", [
+    (_block_problem(8, in_dtype=BF16), "e4m3 operands"),
+    (_block_problem(8, out_dtype=torch.int32), "bf16, fp16 or fp32"),
+    (_block_problem(8, block=(1, 128)), "(128, 128)"),
+    (_block_problem(8, k=7176), "multiple of 16"),
+])
+def test_block_can_implement_says_why(p, why):
+    ok, reason = fw.block_can_implement(p)
+    assert not ok and why in reason, reason
+
+
+def test_block_any_m_and_switch(fake_sm90, monkeypatch):
+    for m in (1, 3, 17, 1023, 1 << 20):
+        assert fw.block_can_implement(_block_problem(m))[0]
+    assert fw.block_can_implement(_block_problem(5, 208, 1040, out_dtype=F32))[0]
+    assert backends.policy("fp8_block", "sm90").switches[NAME] == "SCALEDMM_FP8_WGMMA"
+    monkeypatch.delenv("SCALEDMM_FP8_WGMMA", raising=False)
+    assert NAME in backends.priority("fp8_block", torch.device("cuda", 0))
+    monkeypatch.setenv("SCALEDMM_FP8_WGMMA", "0")
+    assert NAME not in backends.priority("fp8_block", torch.device("cuda", 0))
+    assert backends.select(_block_problem(8), "fp8_block_mm").name != NAME
+
+
 # ----------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------
@@ -252,16 +319,19 @@ def _operands(m, n, k, kinds=KINDS[0], pad=0, form=0):
     return a, b, _scale(kinds[0], m, form), _scale(kinds[1], n, form + 1)
 
 
-def _check(out, a, b, sa, sb, bias, out_dtype):
+def _check(out, a, b, sa, sb, bias, out_dtype, chain=None):
+    """Against float64 within the module docstring's bound; ``chain`` of the
+    config that ran (default: the one dispatch chooses)."""
     m, k = a.shape
     n = b.shape[0]
     assert out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
+    chain = chain or fw.choose_config(n, k, max(m, 1)).chain
     A = a.double() * sa.double().reshape(-1, 1)
     B = b.double() * sb.double().reshape(-1, 1)
     ref = A @ B.t()
     if bias is not None:
         ref = ref + bias.double()
-    acc_err = ((k + k // 16 + 8) * U32 + MMA_REL) * (A.abs() @ B.abs().t())
+    acc_err = ((k + k // 16 + 8) * U32 + MMA_REL[chain]) * (A.abs() @ B.abs().t())
     lim = acc_err + OUT_HALF_ULP[out_dtype] * (ref.abs() + acc_err) + OUT_TINY[out_dtype]
     err = (out.double() - ref).abs()
     ok = (err <= lim) | (torch.isnan(ref) & torch.isnan(out.double()))
@@ -287,12 +357,12 @@ def test_gpu_llama_shapes_match_f64(m, n, k):
     _check(_run(a, b, sa, sb), a, b, sa, sb, None, BF16)
 
 
-def _integer_operands(m, n, k, kinds):
-    """Integer-valued e4m3 operands in [-8, 8] and power-of-two scales of
+def _integer_operands(m, n, k, kinds, top=8):
+    """Integer-valued e4m3 operands in [-top, top] and power-of-two scales of
     ``kinds`` (2**-3 .. 2**3): every partial sum is an exact integer times a
     power of two."""
-    a = torch.randint(-8, 9, (m, k), device="cuda").float().to(FP8)
-    b = torch.randint(-8, 9, (n, k), device="cuda").float().to(FP8)
+    a = torch.randint(-top, top + 1, (m, k), device="cuda").float().to(FP8)
+    b = torch.randint(-top, top + 1, (n, k), device="cuda").float().to(FP8)
 
     def pow2(rows, kind):
         e = torch.randint(-3, 4, (max(rows, 1),), device="cuda").float().exp2()
@@ -306,10 +376,16 @@ def _integer_operands(m, n, k, kinds):
 @pytest.mark.parametrize("kinds", KINDS[:2], ids=lambda v: "x".join(v))
 def test_gpu_integer_operands_bit_exact_every_config(m, kinds):
     n, k = 1040, 4112
-    a, b, sa, sb = _integer_operands(m, n, k, kinds)
     bias = torch.randint(-50, 51, (n,), device="cuda").to(BF16)
-    exact = (a.double() * sa.double().reshape(-1, 1)) @ (b.double() * sb.double().reshape(-1, 1)).t() + bias.double()
-    for cfg in fw.candidate_configs(n, k, m):
+    sets = {}
+    for chain, top in ((1, 8), (4, 4)):
+        a, b, sa, sb = _integer_operands(m, n, k, kinds, top)
+        exact = (a.double() * sa.double().reshape(-1, 1)) @ (b.double() * sb.double().reshape(-1, 1)).t()
+        sets[chain] = (a, b, sa, sb, exact + bias.double())
+    cfgs = fw.candidate_configs(n, k, m)
+    assert {c.chain for c in cfgs} == {1, 4}
+    for cfg in cfgs:
+        a, b, sa, sb, exact = sets[cfg.chain]
         for out_dtype in (F32, BF16):
             out = _run(a, b, sa, sb, bias, out_dtype, cfg=cfg)
             assert torch.equal(out, exact.to(out_dtype)), (cfg.short(), out_dtype)
@@ -341,7 +417,7 @@ def test_gpu_every_candidate_config(m):
     n, k = 1040, 4112  # N not a multiple of any tile; 33 stages with a 16-wide tail (uneven splits)
     a, b, sa, sb = _operands(m, n, k)
     for cfg in fw.candidate_configs(n, k, m):
-        _check(_run(a, b, sa, sb, cfg=cfg), a, b, sa, sb, None, BF16)
+        _check(_run(a, b, sa, sb, cfg=cfg), a, b, sa, sb, None, BF16, cfg.chain)
 
 
 @requires_sm90
@@ -364,9 +440,9 @@ def test_gpu_strided_misaligned_rows_nan_rows_zero_m():
 @requires_sm90
 def test_gpu_deterministic_and_cuda_graph():
     a, b, sa, sb = _operands(64, 4096, 4096)
-    cfg = fw.WgmmaConfig(32, 2, 4, 4)  # split K: the rank-order reduction
-    first = _run(a, b, sa, sb, cfg=cfg)
-    assert torch.equal(first, _run(a, b, sa, sb, cfg=cfg))
+    for cfg in (fw.WgmmaConfig(32, 2, 4, 4), fw.WgmmaConfig(64, 1, 4, 4, 4)):  # split K: the rank-order reduction
+        first = _run(a, b, sa, sb, cfg=cfg)
+        assert torch.equal(first, _run(a, b, sa, sb, cfg=cfg)), cfg.short()
     a2, _, sa2, _ = _operands(64, 4096, 4096)
     graph = torch.cuda.CUDAGraph()
     with scaledmm.use_backend("fp8", NAME):
@@ -405,5 +481,166 @@ def test_gpu_opcheck_and_compile_reduce_overhead():
             sa.copy_(fresh_sa)
             got = fn(a, sa).clone()
             want = fw.wgmma_mm(a, b, sa, sb)
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), f"step {step}"
+
+
+# ----------------------------------------------------------------------------
+# GPU: the block-scaled kernel (fp8_block_mm)
+# ----------------------------------------------------------------------------
+
+
+def _expand(sa, sb, m, n, k):
+    """The block scales per element: [M, K] and [N, K] in float64."""
+    sa_e = sa.double().repeat_interleave(128, dim=1)[:, :k]
+    sb_e = sb.double().repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
+    return sa_e, sb_e
+
+
+def _block_ref(a, b, sa, sb):
+    """float64 ``sum_k a sa b sb`` and ``S = sum_k |a sa b sb|``."""
+    m, k = a.shape
+    sa_e, sb_e = _expand(sa, sb, m, b.shape[0], k)
+    A, B = a.double() * sa_e, b.double() * sb_e
+    return A @ B.t(), A.abs() @ B.abs().t()
+
+
+def _block_run(a, b, sa, sb, out_dtype=BF16, cfg=None):
+    torch.full((a.shape[0] * b.shape[0] + 1024,), float("nan"), device="cuda")  # NaN in the allocator
+    if cfg is not None:
+        return fw.block_mm(a, b, sa, sb, (128, 128), out_dtype, cfg=cfg)
+    with scaledmm.use_backend("fp8_block", NAME), backends.record() as calls:
+        out = OPS.fp8_block_mm(a, b, sa, sb, [128, 128], out_dtype)
+    assert [name for op, name, _ in calls if op == "fp8_block_mm"] == [NAME]
+    return out
+
+
+def _block_check(out, a, b, sa, sb, out_dtype=BF16, chain=None):
+    m, k = a.shape
+    n = b.shape[0]
+    assert out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
+    chain = chain or fw.choose_config(n, k, max(m, 1), block=True).chain
+    ref, s = _block_ref(a, b, sa, sb)
+    acc_err = ((k + k // 16 + 8) * U32 + MMA_REL[chain]) * s
+    lim = acc_err + OUT_HALF_ULP[out_dtype] * (ref.abs() + acc_err) + OUT_TINY[out_dtype]
+    err = (out.double() - ref).abs()
+    ok = (err <= lim) | (torch.isnan(ref) & torch.isnan(out.double()))
+    assert ok.all(), (f"{(~ok).sum().item()} of {ok.numel()} off; worst err/bound among them "
+                      f"{(err / lim)[~ok].nan_to_num(float('inf')).max().item():.3g}")
+
+
+def _col_major(s):
+    return s.t().contiguous().t()
+
+
+@requires_sm90
+@pytest.mark.parametrize("m,col", [(1, True), (17, False), (100, True)])
+def test_gpu_block_integer_operands_bit_exact_every_config(m, col):
+    """Integer operands, power-of-two block scales (2**-1 .. 2**1 each): every
+    candidate config equals the float64 product bit for bit.  N = 1040: a
+    partial weight tile and scale block; K = 4112: 33 stages, the last 16 wide
+    (its scale group too), uneven splits."""
+    n, k = 1040, 4112
+    kb = -(-k // 128)
+    sa = torch.randint(-1, 2, (m, kb), device="cuda").float().exp2()
+    sb = torch.randint(-1, 2, (-(-n // 128), kb), device="cuda").float().exp2()
+    sa = _col_major(sa) if col else sa
+    sets = {}
+    for chain, top in ((1, 8), (4, 4)):
+        a = torch.randint(-top, top + 1, (m, k), device="cuda").float().to(FP8)
+        b = torch.randint(-top, top + 1, (n, k), device="cuda").float().to(FP8)
+        sets[chain] = (a, b, _block_ref(a, b, sa, sb)[0])
+    cfgs = fw.candidate_configs(n, k, m, block=True)
+    assert {c.chain for c in cfgs} == {1, 4}
+    for cfg in cfgs:
+        a, b, exact = sets[cfg.chain]
+        out = _block_run(a, b, sa, sb, F32, cfg=cfg)
+        assert torch.equal(out, exact.float()), cfg.short()
+    a, b, exact = sets[cfgs[0].chain]
+    assert torch.equal(_block_run(a, b, sa, sb, BF16), exact.to(BF16))
+
+
+def _block_operands(m, n, k, col=True):
+    """The quantizers' outputs: x with outliers by per_token_group_quant_fp8,
+    the weight by quantize_weight (128 x 128 blocks)."""
+    from scaledmm.ops.fp8_block import quantize_weight
+
+    x = torch.randn(m, k, device="cuda", dtype=BF16) * 2
+    x[:, ::37] *= 100
+    a, sa = OPS.per_token_group_quant_fp8(x, 128, 1e-10, col)
+    b, sb = quantize_weight(torch.randn(n, k, device="cuda"))
+    return a, b, sa, sb
+
+
+@requires_sm90
+@pytest.mark.parametrize("m", [1, 3, 8, 64, 100, 256, 1023])
+@pytest.mark.parametrize("n,k", DSV3 + LLAMA8B[:1])
+def test_gpu_block_shapes_match_f64(m, n, k):
+    a, b, sa, sb = _block_operands(m, n, k, col=m % 2 == 1)
+    _block_check(_block_run(a, b, sa, sb), a, b, sa, sb)
+
+
+@requires_sm90
+@pytest.mark.parametrize("m", [8, 37, 200])
+def test_gpu_block_every_candidate_config(m):
+    n, k = 1040, 4096
+    a, b, sa, sb = _block_operands(m, n, k)
+    for cfg in fw.candidate_configs(n, k, m, block=True):
+        _block_check(_block_run(a, b, sa, sb, cfg=cfg), a, b, sa, sb, BF16, cfg.chain)
+
+
+@requires_sm90
+@pytest.mark.parametrize("out_dtype", [F16, F32])
+def test_gpu_block_out_dtypes_strided_nan_zero_m(out_dtype):
+    m, n, k = 70, 1040, 1024
+    a, b, sa, sb = _block_operands(m, n, k)
+    _block_check(_block_run(a, b, sa, sb, out_dtype), a, b, sa, sb, out_dtype)
+    for pad in (16, 3):  # row stride 1040 (TMA reads in place) and 1027 bytes (copied first)
+        wide = torch.zeros(m, k + pad, device="cuda").to(FP8)
+        wide[:, :k] = a
+        _block_check(_block_run(wide[:, :k], b, sa, sb), wide[:, :k], b, sa, sb)
+    a[5, 7] = float("nan")
+    out = _block_run(a, b, sa, sb)
+    assert torch.isnan(out[5]).all()
+    rows = [r for r in range(m) if r != 5]
+    _block_check(out[rows], a[rows], b, sa[rows], sb)
+    assert _block_run(a[:0], b, sa[:0], sb).shape == (0, n)
+
+
+@requires_sm90
+def test_gpu_block_deterministic_graph_opcheck_compile():
+    n, k = 2112, 7168
+    a, b, sa, sb = _block_operands(64, n, k)
+    cfg = fw.WgmmaConfig(32, 1, 4, 4, 4)  # split K over four ranks
+    first = _block_run(a, b, sa, sb, cfg=cfg)
+    assert torch.equal(first, _block_run(a, b, sa, sb, cfg=cfg))
+    with scaledmm.use_backend("fp8_block", NAME), backends.record() as calls:
+        for m, dt in ((1, BF16), (17, F16), (64, F32)):
+            x, y, sx, sy = _block_operands(m, 256, 512, col=m != 17)
+            opcheck(OPS.fp8_block_mm.default, (x, y, sx, sy, [128, 128], dt))
+    assert {name for op, name, _ in calls if op == "fp8_block_mm"} == {NAME}
+
+    graph = torch.cuda.CUDAGraph()
+    with scaledmm.use_backend("fp8_block", NAME):
+        OPS.fp8_block_mm(a, b, sa, sb)  # build outside the capture
+        with torch.cuda.graph(graph):
+            captured = OPS.fp8_block_mm(a, b, sa, sb)
+    a2, _, sa2, _ = _block_operands(64, n, k)
+    a.copy_(a2)
+    sa.copy_(sa2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(captured, first)
+    _block_check(captured, a, b, sa, sb)
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, sa: OPS.fp8_block_mm(a, b, sa, sb), fullgraph=True, mode="reduce-overhead")
+    with scaledmm.use_backend("fp8_block", NAME):
+        for step in range(4):  # warm-up, record, replays
+            fresh, _, fresh_sa, _ = _block_operands(64, n, k)
+            a.copy_(fresh)
+            sa.copy_(fresh_sa)
+            got = fn(a, sa).clone()
+            want = fw.block_mm(a, b, sa, sb)
             torch.cuda.synchronize()
             assert torch.equal(got, want), f"step {step}"
