@@ -259,6 +259,8 @@ def test_gpu_backends_are_planned_on_the_m_they_take():
     assert plan("fp8_scaled_mm", "triton") == every
     assert ("fp8_scaled_mm", "cuda_wgmma") in gpu_cases
     assert plan("fp8_scaled_mm", "cuda_wgmma") == every  # TMA zero-fills rows past M; unaligned rows copied
+    assert ("fp8_block_mm", "cuda_wgmma") in gpu_cases
+    assert plan("fp8_block_mm", "cuda_wgmma") == every  # the block-scaled variant: any M as well
 
 
 def test_held_walk_finds_what_an_op_could_keep(monkeypatch):
