@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # one device call (not committed)
 W=/tmp/scaledmm-run
-export SCALEDMM_TESTS=gpu TESTS_TIMEOUT=230 SCRIPT_TIMEOUT=240
+export SCRIPT_TIMEOUT=340 BENCH_TIMEOUT=120
 bash benchmarks/device_all.sh \
-  "tests:tests/test_fp8_wgmma.py -n 14 -x" \
-  "sanitize:--only fp8_wgmma" \
-  "run:python3 -m benchmarks sweep --kernel fp8_wgmma_block --shapes llama8b --m 1,8,64,128 --out $W/swb && python3 -m benchmarks.tune $W/swb/fp8_wgmma_block_sweep.csv --kernel fp8_wgmma_block --out scaledmm/tuning/kernels/fp8_wgmma_block_sm90.json && cp scaledmm/tuning/kernels/fp8_wgmma_block_sm90.json $W/" \
-  "run:python3 -m benchmarks sweep --kernel fp8_wgmma --shapes 6144x4096,4096x14336 --m 64,128 --out $W/swc"
+  "run:python3 -m benchmarks sweep --kernel fp8_wgmma --shapes llama8b --out $W/sw && python3 -m benchmarks.tune $W/sw/fp8_wgmma_sweep.csv --kernel fp8_wgmma --out scaledmm/tuning/kernels/fp8_wgmma_sm90.json && cp scaledmm/tuning/kernels/fp8_wgmma_sm90.json $W/" \
+  "bench:fp8 --shapes llama8b --m 1,2,4,8,16,32,64,128,256,512 --providers auto,cublas,triton,cuda_wgmma --no-plots" \
+  "run:python3 -m benchmarks.tune $W/bench/fp8.csv --op fp8_scaled_mm --op-rows --variant rowwise --any-shape --out scaledmm/tuning/fp8_sm90.json" \
+  "bench:fp8_tensorwise --shapes llama8b --m 1,2,4,8,16,32,64,128,256,512 --providers auto,cublas,triton,cuda_wgmma --no-plots" \
+  "run:python3 -m benchmarks.tune $W/bench/fp8_tensorwise.csv --op fp8_scaled_mm --op-rows --variant tensorwise --any-shape --out scaledmm/tuning/fp8_sm90.json && cp scaledmm/tuning/fp8_sm90.json $W/" \
+  "bench:model --models llama8b --no-generate --formats fp8,fp8_tensor"
