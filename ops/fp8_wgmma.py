@@ -86,6 +86,15 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
     return (True, f"NVRTC-compiled TMA + e4m3 wgmma kernel ({why})") if ok else (False, why)
 
 
+def _dtypes_why(p: Problem) -> str:
+    """Why the operand / output dtypes do not fit either kernel ('' if they do)."""
+    if p.in_dtype != FP8_DTYPE:
+        return f"needs e4m3 operands, got {p.in_dtype}"
+    if p.out_dtype not in OUT_CODES:
+        return f"writes bf16, fp16 or fp32, got out_dtype={p.out_dtype}"
+    return ""
+
+
 def can_implement(p: Problem) -> tuple[bool, str]:
     """``fp8_scaled_mm`` with e4m3 operands, any scale kinds, bf16 / fp16 /
     fp32 output, any M and activation row stride (rows that are not 16-byte
@@ -100,10 +109,9 @@ def can_implement(p: Problem) -> tuple[bool, str]:
     >>> can_implement(p)
     (True, 'any M; K % 16 == 0 (TMA zero-fills the last stage)')
     """
-    if p.in_dtype != FP8_DTYPE:
-        return False, f"needs e4m3 operands, got {p.in_dtype}"
-    if p.out_dtype not in OUT_CODES:
-        return False, f"writes bf16, fp16 or fp32, got out_dtype={p.out_dtype}"
+    why = _dtypes_why(p)
+    if why:
+        return False, why
     if p.opt("bias_dtype") not in BIAS_CODES:
         return False, f"adds an fp32, bf16 or fp16 bias, got {p.opt('bias_dtype')}"
     if not p.opt("b_aligned", True):
@@ -333,6 +341,15 @@ def launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: tor
     return out
 
 
+def _tma_rows(a: torch.Tensor) -> torch.Tensor:
+    """``a`` as TMA reads it: 16-byte aligned rows (copied if not); one row
+    gets a K-byte stride (its stride is never used)."""
+    m, k = a.shape
+    if a.data_ptr() % 16 or (m > 1 and a.stride(0) % 16):
+        return a.clone(memory_format=torch.contiguous_format)
+    return a.as_strided((1, k), (k, 1)) if m == 1 else a
+
+
 def wgmma_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, cfg: WgmmaConfig | None = None):
     """Backend entry of ``fp8_scaled_mm``: a fresh ``[M, N]``
     ``(a * scale_a) @ (b * scale_b).T (+ bias)``.  An activation whose rows
@@ -349,19 +366,13 @@ def wgmma_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, cfg: W
     ...     out = torch.ops.scaledmm.fp8_scaled_mm(a, b, sa, sb.reshape(-1))
     """
     f8.check_mm_args(OP, a, b, scale_a, scale_b, bias, out_dtype)
-    m, k = a.shape
-    n = b.shape[0]
-    if m == 0 or n == 0:
+    if a.shape[0] == 0 or b.shape[0] == 0:
         return f8.reference_mm(a, b, scale_a, scale_b, bias, out_dtype)
     if b.data_ptr() % 16:
         raise ValueError(f"b: expected a weight at a 16-byte aligned address (TMA), got {b.data_ptr() % 16} mod 16")
-    if a.data_ptr() % 16 or (m > 1 and a.stride(0) % 16):
-        a = a.clone(memory_format=torch.contiguous_format)
-    elif m == 1:
-        a = a.as_strided((1, k), (k, 1))  # one row: its stride is never used, K bytes is a valid one
     if bias is not None:
         bias = bias.contiguous()
-    return launch(a, b, scale_a, scale_b, bias, f8.mm_output(a, b, out_dtype), cfg)
+    return launch(_tma_rows(a), b, scale_a, scale_b, bias, f8.mm_output(a, b, out_dtype), cfg)
 
 
 def launch_block(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_scales: torch.Tensor,
@@ -398,10 +409,9 @@ def block_can_implement(p: Problem) -> tuple[bool, str]:
     >>> block_can_implement(p)
     (True, 'any M; 128 x 128 blocks, K % 16 == 0')
     """
-    if p.in_dtype != FP8_DTYPE:
-        return False, f"needs e4m3 operands, got {p.in_dtype}"
-    if p.out_dtype not in OUT_CODES:
-        return False, f"writes bf16, fp16 or fp32, got out_dtype={p.out_dtype}"
+    why = _dtypes_why(p)
+    if why:
+        return False, why
     if tuple(p.opt("block_size", (128, 128))) != (KB, KB):
         return False, f"needs block_size (128, 128), got {p.opt('block_size')}"
     if p.k % 16 != 0 or p.k <= 0:
@@ -427,17 +437,13 @@ def block_mm(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bf
     """
     if tuple(int(v) for v in block_size) != (KB, KB):
         raise ValueError(f"block_size: expected (128, 128), got {tuple(block_size)}")
-    m, k = a.shape
+    m = a.shape[0]
     out = torch.empty((m, b.shape[0]), dtype=out_dtype, device=a.device)
     if m == 0 or b.shape[0] == 0:
         return out
     if b.data_ptr() % 16:
         b = b.clone()
-    if a.data_ptr() % 16 or (m > 1 and a.stride(0) % 16):
-        a = a.clone(memory_format=torch.contiguous_format)
-    elif m == 1:
-        a = a.as_strided((1, k), (k, 1))
-    return launch_block(a, b, a_scales, b_scales, out, cfg)
+    return launch_block(_tma_rows(a), b, a_scales, b_scales, out, cfg)
 
 
 # ----------------------------------------------------------------------------
