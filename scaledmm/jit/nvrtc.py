@@ -243,7 +243,7 @@ MODULES: dict[str, "CudaModule"] = {}
 
 
 _TMA_DTYPES = {1: "CU_TENSOR_MAP_DATA_TYPE_UINT8", 2: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
-               3: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", 4: "CU_TENSOR_MAP_DATA_TYPE_FLOAT32"}
+               3: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}
 _TMA_SWIZZLE = {0: "CU_TENSOR_MAP_SWIZZLE_NONE", 32: "CU_TENSOR_MAP_SWIZZLE_32B", 64: "CU_TENSOR_MAP_SWIZZLE_64B",
                 128: "CU_TENSOR_MAP_SWIZZLE_128B"}
 
@@ -253,7 +253,7 @@ def tensor_map_2d(ptr: int, kind: int, cols: int, rows: int, row_bytes: int, box
                   swizzle: int):
     """A TMA descriptor (``CUtensorMap``) of a row-major 2-D tensor at device
     address ``ptr``: ``rows`` x ``cols`` elements of ``kind`` (1 uint8, 2 fp16,
-    3 bf16, 4 fp32), rows ``row_bytes`` apart; tiles of ``box_rows`` x ``box_cols``
+    3 bf16), rows ``row_bytes`` apart; tiles of ``box_rows`` x ``box_cols``
     with a ``swizzle``-byte shared-memory swizzle (0, 32, 64, 128); reads past
     the tensor fill zeros.  Pass it to :meth:`CudaKernel.launch` for a
     ``const __grid_constant__`` 128-byte parameter.
