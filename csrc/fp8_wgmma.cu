@@ -56,8 +56,8 @@
 //    once), sa one per activation row the thread holds, read from the stage's
 //    slot while the stage's MMAs run.  The producer warp's lanes copy each
 //    stage's BT activation scales (any strides: cp.async, 4 bytes each) and
-//    arrive on the stage's full barrier once the copies landed, one stage
-//    behind, so their latency overlaps the next stage's issue.
+//    arrive on the stage's full barrier when the copies land
+//    (cp.async.mbarrier.arrive.noinc): no lane waits on a copy.
 //  * Epilogue from the accumulators: (acc * sa[m]) * sb[n] (+ bias), one
 //    rounding to the output dtype.  Split K: each rank's fp32 tile to its
 //    shared memory, rank 0 adds ranks 1.. in order.  Deterministic, no
@@ -152,11 +152,11 @@ __device__ __forceinline__ void cp_async_4(u32 dst, const float* src, int src_by
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// This thread's cp.async groups but the newest N have landed.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+// One arrival on the mbarrier once this thread's cp.asyncs have landed (counted
+// in the barrier's arrivals: noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 
 __device__ __forceinline__ void add(float (&acc)[ACC], const float (&d)[ACC]) {
 #pragma unroll
@@ -259,8 +259,8 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
 
   int kb0;
   const int nk = stage_range<NKB, SPLIT>(kb0);
-  // G_BLOCK: a stage is full after the TMA bytes and the arrivals of the 32
-  // producer lanes, each once its scale copies have landed.
+  // G_BLOCK: a stage is full after the TMA bytes and the 32 producer lanes'
+  // scale copies.
   ring_init<STAGES>(bars, 4 * WGS, G_BLOCK ? 33 : 1);
 #if G_BLOCK
   const u32 sa_smem = bars + BAR_BYTES;
@@ -286,27 +286,15 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
           tma_2d(base + X_BYTES, &tmap_b, (kb0 + i) * KB, n0, full);
         }
 #if G_BLOCK
-        // Rows past m read nothing and land as zeros.  Each lane arrives for
-        // the previous stage once that stage's copies have landed (a plain
-        // release arrive: the copies' latency overlaps this stage's issue).
+        // Rows past m read nothing and land as zeros.
         for (int r = lane; r < BT; r += 32) {
           const int mm = m0 + r < m ? m0 + r : 0;
           cp_async_4(sa_smem + slot * SA_SLOT + 4 * r, sa + (long long)mm * sa_m + (long long)(kb0 + i) * sa_k,
                      m0 + r < m ? 4 : 0);
         }
-        cp_async_commit();
-        if (i > 0) {
-          cp_async_wait<1>();
-          mbar_arrive(bars + 8 * ((i - 1) % STAGES));
-        }
+        cp_async_arrive_noinc(full);
 #endif
       }
-#if G_BLOCK
-      if (nk > 0) {
-        cp_async_wait<0>();
-        mbar_arrive(bars + 8 * ((nk - 1) % STAGES));
-      }
-#endif
     }
     __syncwarp();
   } else {
