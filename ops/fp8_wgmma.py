@@ -1,6 +1,7 @@
-"""Backend ``cuda_wgmma`` of the ``fp8`` family: our Hopper GEMM for
-``fp8_scaled_mm`` (per-tensor / per-token activation scales, per-tensor /
-per-channel weight scales) from one activation row to a few hundred,
+"""Backend ``cuda_wgmma`` of the ``fp8`` and ``fp8_block`` families: our
+Hopper GEMM for ``fp8_scaled_mm`` (per-tensor / per-token activation scales,
+per-tensor / per-channel weight scales) and ``fp8_block_mm`` (DeepSeek-V3's
+1 x 128 / 128 x 128 block scales) from one activation row to a few hundred,
 ``csrc/fp8_wgmma.cu``, compiled at run time with NVRTC for the (N, K,
 config, output / bias dtype) it meets, cached on disk (``scaledmm.jit``),
 launched on torch's current stream.
@@ -9,20 +10,24 @@ Both e4m3 operands come by TMA, 128 K per stage, into a shared-memory ring
 that a producer warp keeps a few stages ahead; consumer warpgroups multiply
 on ``wgmma`` e4m3 tensor cores with the weight rows as the MMA's M side (64
 per warpgroup) and the activation rows as its N side (16-128 per CTA), so a
-batch of a few rows wastes no MMA rows.  Every k32 step writes a fresh
-fragment added in fp32 (the contract's fp32 accumulation across K; a chain of
-e4m3 MMAs does not keep fp32; inside one k32 step the tensor core's own sum
-has somewhat less than fp32 precision, as cuBLAS's and Triton's FP8 GEMMs on
-sm90 have), the scales and bias are applied once in the epilogue with one
-rounding.  Split K over the CTAs of a cluster (DSMEM,
-rank order): deterministic, no workspace, CUDA-graph safe.  Where it runs
-instead of cuBLAS's row-wise kernel or the Triton GEMM is measured
-(``scaledmm/tuning/fp8_sm90.json``); ``fp8_linear`` reaches it through its
-composite (``quant_fp8`` then ``fp8_scaled_mm``).
+batch of a few rows wastes no MMA rows.  Partial sums are promoted into fp32
+accumulators (the contract's fp32 accumulation across K; a long chain of
+e4m3 MMAs does not keep fp32): each k32 step (``chain`` 1) or each 128-K
+stage of four chained steps (``chain`` 4, the accumulation of cuBLAS's and
+DeepGEMM's FP8 GEMMs); inside the tensor core the sums have somewhat less
+than fp32 precision, as cuBLAS's and Triton's FP8 GEMMs on sm90 have.  The
+per-tensor / row / column scales and bias are applied once in the epilogue
+with one rounding; block scales at each stage's promotion (the producer warp
+copies each stage's activation scales, any strides).  Split K over the CTAs
+of a cluster (DSMEM, rank order): deterministic, no workspace, CUDA-graph
+safe.  Where it runs instead of cuBLAS, CUTLASS or the Triton GEMMs is
+measured (``scaledmm/tuning/fp8_sm90.json``, ``fp8_block_sm90.json``);
+``fp8_linear`` / ``fp8_block_linear`` reach it through their composites
+(quantize, then the GEMM).
 
 Read top to bottom: capability checks, the config space (frozen dataclass,
 one validity predicate :func:`config_valid`, :func:`choose_config` from the
-measured table ``scaledmm/tuning/kernels/fp8_wgmma_sm90.json`` or a rule),
+measured tables ``scaledmm/tuning/kernels/fp8_wgmma[_block]_sm90.json`` or a rule),
 the launcher, backend registration (switch ``SCALEDMM_FP8_WGMMA=0``), the
 pre-build hook.
 
