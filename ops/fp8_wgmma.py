@@ -53,6 +53,7 @@ from scaledmm.backends import Backend, Family, Problem
 from scaledmm.device import NUM_SMS_H200, pdl, sm_count
 from scaledmm.oplib import FP8_DTYPE
 from scaledmm.ops import fp8 as f8
+from scaledmm.ops import fp8_block as fb
 
 FAMILY = Family.FP8
 NAME = "cuda_wgmma"
@@ -442,9 +443,8 @@ def block_mm(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bf
     """
     if tuple(int(v) for v in block_size) != (KB, KB):
         raise ValueError(f"block_size: expected (128, 128), got {tuple(block_size)}")
-    m = a.shape[0]
-    out = torch.empty((m, b.shape[0]), dtype=out_dtype, device=a.device)
-    if m == 0 or b.shape[0] == 0:
+    out = fb.mm_output(a, b, out_dtype)
+    if out.numel() == 0:
         return out
     if b.data_ptr() % 16:
         b = b.clone()

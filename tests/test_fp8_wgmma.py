@@ -471,16 +471,23 @@ def test_gpu_opcheck_and_compile_reduce_overhead():
 
     n, k = 6144, 4096
     a, b, sa, sb = _operands(64, n, k)
+    _replays_equal_eager("fp8", lambda a, sa: OPS.fp8_scaled_mm(a, b, sa, sb, None, BF16),
+                         lambda a, sa: fw.wgmma_mm(a, b, sa, sb), a, sa, lambda: _operands(64, n, k))
+
+
+def _replays_equal_eager(family, op, eager, a, sa, fresh_inputs):
+    """``op(a, sa)`` compiled with ``reduce-overhead`` on this backend equals
+    the eager kernel bit for bit at warm-up, recording and two replays, with
+    fresh activations copied into ``a`` / ``sa`` before each step."""
     torch._dynamo.reset()
-    fn = torch.compile(lambda a, sa: OPS.fp8_scaled_mm(a, b, sa, sb, None, BF16), fullgraph=True,
-                       mode="reduce-overhead")
-    with scaledmm.use_backend("fp8", NAME):
+    fn = torch.compile(op, fullgraph=True, mode="reduce-overhead")
+    with scaledmm.use_backend(family, NAME):
         for step in range(4):  # warm-up, record, replays
-            fresh, _, fresh_sa, _ = _operands(64, n, k)
+            fresh, _, fresh_sa, _ = fresh_inputs()
             a.copy_(fresh)
             sa.copy_(fresh_sa)
             got = fn(a, sa).clone()
-            want = fw.wgmma_mm(a, b, sa, sb)
+            want = eager(a, sa)
             torch.cuda.synchronize()
             assert torch.equal(got, want), f"step {step}"
 
@@ -633,14 +640,5 @@ def test_gpu_block_deterministic_graph_opcheck_compile():
     assert not torch.equal(captured, first)
     _block_check(captured, a, b, sa, sb)
 
-    torch._dynamo.reset()
-    fn = torch.compile(lambda a, sa: OPS.fp8_block_mm(a, b, sa, sb), fullgraph=True, mode="reduce-overhead")
-    with scaledmm.use_backend("fp8_block", NAME):
-        for step in range(4):  # warm-up, record, replays
-            fresh, _, fresh_sa, _ = _block_operands(64, n, k)
-            a.copy_(fresh)
-            sa.copy_(fresh_sa)
-            got = fn(a, sa).clone()
-            want = fw.block_mm(a, b, sa, sb)
-            torch.cuda.synchronize()
-            assert torch.equal(got, want), f"step {step}"
+    _replays_equal_eager("fp8_block", lambda a, sa: OPS.fp8_block_mm(a, b, sa, sb),
+                         lambda a, sa: fw.block_mm(a, b, sa, sb), a, sa, lambda: _block_operands(64, n, k))
