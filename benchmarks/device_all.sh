@@ -22,7 +22,7 @@ export OUT=$WORK  # scripts write their JSON here
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 || { cat "$WORK/install.log"; exit 1; }
 # Prebuilt CUTLASS libraries (built on the CPU machine with the same nvcc 13.0): carry this folder.
