@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help=f"first {QUICK_SHAPES} default shapes, M in {','.join(map(str, QUICK_M))}, fewer reps, "
                         "no reference backend on a GPU")
+    p.add_argument("--sustain", type=float, default=None, metavar="SECONDS",
+                   help="keep each provider busy this long before its point is timed, so clocks and power "
+                        "settle as under a sustained load (default: 0.03 s, --quick 0)")
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "out"),
                    help="directory for CSV, markdown, plots and meta.json (default: benchmarks/out)")
     p.add_argument("--write-results", action="store_true",
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         ms = parse_ms(args.m) if args.m else None
     except ValueError as e:
         parser.error(str(e))
+    if args.sustain is not None and not args.sustain >= 0:
+        parser.error(f"--sustain: expected seconds >= 0, got {args.sustain}")
     keep = {s.strip() for s in args.providers.split(",") if s.strip()} if args.providers else None
     device = _device(args.device)
     threads = torch.get_num_threads()
@@ -153,6 +158,8 @@ def _run(args, shapes, ms, keep, device) -> int:
         return 0
 
     cfg = TimingConfig.for_device(device, args.quick)
+    if args.sustain is not None:
+        cfg = dataclasses.replace(cfg, warmup_s=args.sustain)
     env = environment(device)
     print(f"measuring ceilings on {device} ...", file=sys.stderr, flush=True)
     ceil = measure_ceilings(device, args.quick)

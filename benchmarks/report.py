@@ -223,6 +223,8 @@ def header(title: str, env: dict, ceil: Ceilings, cfg: TimingConfig, quick: bool
                   f"{cfg.max_copies} copies); ")
     else:
         method = "wall clock (CPU smoke run: numbers are not GPU performance); "
+    if cfg.warmup_s:
+        method += f"{cfg.warmup_s:g} s of continuous calls before each timed point; "
     method += (f"median of {cfg.min_reps}-{cfg.max_reps} reps; each provider checked against a float64 "
                f"reference before it is timed" + ("; --quick" if quick else ""))
     lines.append(f"- method: {method}")

@@ -382,3 +382,21 @@ def test_tune_unaligned_points_get_their_own_rows_only_where_they_differ():
     table = tune.build_table(tune.rank_points(_tune_rows(pts), "fp8_block_mm"), tolerance=0.03)
     assert table == {"2112x7168": [[256, ["triton", "cublas"]], [4094, ["cublas", "triton"]],
                                    [4095, ["triton", "cublas"]], [tune.LAST_M, ["cublas", "triton"]]]}
+
+
+def test_sustain_sets_the_warm_up_and_the_report_says_so(tmp_path, capsys, monkeypatch):
+    import benchmarks.harness as h
+
+    seen = []
+    real = h.run_bench
+
+    def spy(bench, shapes, ms, provs, device, cfg, *a, **kw):
+        seen.append(cfg.warmup_s)
+        return real(bench, shapes, ms, provs, device, cfg, *a, **kw)
+
+    monkeypatch.setattr(cli, "run_bench", spy)
+    assert cli.main(["fp8", *TINY, "--sustain", "0.25", "--out", str(tmp_path)]) == 0
+    assert seen and set(seen) == {0.25}
+    assert "0.25 s of continuous calls before each timed point" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["fp8", *TINY, "--sustain", "-1", "--out", str(tmp_path)])
