@@ -105,10 +105,12 @@
 #endif
 
 #include "fused_a_ptx.cuh"
+#include "fp8_quant_ptx.cuh"
 
 namespace fg {
 
 using namespace fa_ptx;
+using namespace fq_ptx;
 
 constexpr int N = F_N;
 constexpr int K = F_K;
@@ -160,37 +162,6 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], u32 a0, u32 a1, u32 a2, 
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float max_nan(float a, float b) {
-  float d;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-
-__device__ __forceinline__ float div_rn(float a, float b) {
-  float d;
-  asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-
-__device__ __forceinline__ float rcp_rn(float a) {
-  float d;
-  asm("rcp.rn.f32 %0, %1;" : "=f"(d) : "f"(a));
-  return d;
-}
-
-__device__ __forceinline__ float mul_rn(float a, float b) {
-  float d;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-
-// Two e4m3 codes, lo in the low byte; saturating (+-Inf -> +-448), NaN -> NaN.
-__device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
-  unsigned short d;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
-  return d;
 }
 
 // Where the 8 codes at byte p (a multiple of 8) of a 128-k unit sit in shared

@@ -23,7 +23,11 @@
 //   G_BLOCK      0: per-tensor / row / column scales in the epilogue;
 //                1: block scales applied at each stage's promotion
 //   G_OUT        0: bf16, 1: fp16, 2: fp32 output
-//   G_BIAS       0: none, 1: fp32, 2: bf16, 3: fp16 bias (not with G_BLOCK)
+//   G_BIAS       0: none, 1: fp32, 2: bf16, 3: fp16 bias (with G_BLOCK only
+//                with G_QUANT)
+//   G_QUANT      with G_BLOCK, 1: fp8_block_linear: the activation comes as
+//                bf16 / fp16 (G_IN 0 / 1) and is quantized per 1 x 128 group
+//                in the kernel (K % 128 == 0)
 //
 // Design:
 //  * Swap AB: weight rows are the MMA's M (64 per warpgroup whatever the
@@ -58,6 +62,16 @@
 //    stage's BT activation scales (any strides: cp.async, 4 bytes each) and
 //    arrive on the stage's full barrier when the copies land
 //    (cp.async.mbarrier.arrive.noinc): no lane waits on a copy.
+//  * G_QUANT (fp8_block_linear in one launch): the producer brings each
+//    stage's 16-bit activation tile by TMA (no swizzle) into a staging slot
+//    beside the e4m3 one; the consumer threads quantize it, eight threads per
+//    row and 16 values each: the group's amax over the eight (shuffles),
+//    s = max(amax, 1e-10) / 448 and q = e4m3(clamp(x / s)) with IEEE division
+//    (per_token_group_quant_fp8's bits), the codes stored in the 128-byte
+//    swizzle wgmma reads and s in the stage's scale slot; then an async-proxy
+//    fence and a barrier of the consumer threads before the stage's MMAs.
+//    Every CTA of a weight-tile column quantizes the same rows again: a
+//    launch and an activation round trip fewer, worth it where M is small.
 //  * Epilogue from the accumulators: (acc * sa[m]) * sb[n] (+ bias), one
 //    rounding to the output dtype.  Split K: each rank's fp32 tile to its
 //    shared memory, rank 0 adds ranks 1.. in order.  Deterministic, no
@@ -68,6 +82,7 @@
 //    before any TMA load or global access, then lets the next grid launch.
 
 #include "wgmma_ptx.cuh"
+#include "fp8_quant_ptx.cuh"
 
 #ifndef G_N
 #error "G_N (output columns) must be defined"
@@ -99,10 +114,17 @@
 #ifndef G_BIAS
 #define G_BIAS 0
 #endif
+#ifndef G_QUANT
+#define G_QUANT 0
+#endif
+#ifndef G_IN
+#define G_IN 0
+#endif
 
 namespace f8w {
 
 using namespace wg_ptx;
+using namespace fq_ptx;
 
 constexpr int N = G_N;
 constexpr int K = G_K;
@@ -125,7 +147,10 @@ constexpr int GROUPS = CHAIN == 4 ? 1 : 4 / FR;  // wait_group 0 points per stag
 constexpr int STEPS = CHAIN == 4 ? 4 : FR;  // k32 steps per group
 constexpr int X_BYTES = BT * 128;
 constexpr int W_BYTES = BN * 128;
-constexpr int STAGE_BYTES = X_BYTES + W_BYTES;  // both multiples of the 1024-byte swizzle atom
+// G_QUANT: the stage's 16-bit activation rows (256 bytes each, unswizzled)
+// after the e4m3 ones and the weight.
+constexpr int STG_BYTES = G_QUANT ? BT * 256 : 0;
+constexpr int STAGE_BYTES = X_BYTES + W_BYTES + STG_BYTES;  // each a multiple of the 1024-byte swizzle atom
 constexpr int RED_BYTES = SPLIT > 1 ? ACC * THREADS * 4 : 0;
 constexpr int BODY_BYTES = STAGES * STAGE_BYTES > RED_BYTES ? STAGES * STAGE_BYTES : RED_BYTES;
 // G_BLOCK: each stage's activation scales (BT fp32, copied by the producer
@@ -145,7 +170,11 @@ static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "G_SPLIT must be 1, 2 or 4
 static_assert(G_OUT >= 0 && G_OUT <= 2 && G_BIAS >= 0 && G_BIAS <= 3, "G_OUT 0..2, G_BIAS 0..3");
 static_assert(CHAIN == 1 || CHAIN == 4, "G_CHAIN must be 1 or 4");
 static_assert(G_BLOCK == 0 || G_BLOCK == 1, "G_BLOCK must be 0 or 1");
-static_assert(G_BLOCK == 0 || G_BIAS == 0, "the block-scaled GEMM adds no bias");
+static_assert(G_BLOCK == 0 || G_QUANT == 1 || G_BIAS == 0, "the block-scaled GEMM adds no bias");
+static_assert(G_QUANT == 0 || (G_BLOCK == 1 && K % KB == 0), "G_QUANT needs G_BLOCK and K % 128 == 0");
+static_assert(G_IN == 0 || G_IN == 1, "G_IN must be 0 (bf16) or 1 (fp16)");
+constexpr float FP8_MAX = 448.0f;
+constexpr float GROUP_EPS = 1e-10f;  // per_token_group_quant_fp8's eps in fp8_block_linear
 
 // 4 bytes global -> shared, asynchronous; src_bytes 0 writes zeros.
 __device__ __forceinline__ void cp_async_4(u32 dst, const float* src, int src_bytes) {
@@ -156,6 +185,64 @@ __device__ __forceinline__ void cp_async_4(u32 dst, const float* src, int src_by
 // in the barrier's arrivals: noinc).
 __device__ __forceinline__ void cp_async_arrive_noinc(u32 bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ float in_lo(u32 w) {
+  if (G_IN == 1) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(w & 0xFFFFu)));
+    return f;
+  }
+  return __uint_as_float(w << 16);
+}
+
+__device__ __forceinline__ float in_hi(u32 w) {
+  if (G_IN == 1) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(w >> 16)));
+    return f;
+  }
+  return __uint_as_float(w & 0xFFFF0000u);
+}
+
+// G_QUANT: the consumer threads quantize one stage's BT x 128 activation
+// tile from the staging slot ``stg`` into the e4m3 slot ``xq`` (128-byte
+// swizzle: 16-byte chunk c of row r at r * 128 + ((c ^ (r & 7)) << 4)) and
+// each row's scale into ``sa_slot``.  Eight consecutive threads share a row,
+// 16 values each; rows past m arrive as zeros (their scales are unused).
+__device__ __forceinline__ void quantize_stage(u32 stg, u32 xq, float* sa_slot, int tid) {
+  constexpr int ROWS_PER_PASS = THREADS / 8;
+  const int c = tid & 7;
+#pragma unroll
+  for (int r0 = 0; r0 < BT; r0 += ROWS_PER_PASS) {
+    const int r = r0 + (tid >> 3);
+    if (ROWS_PER_PASS <= BT || r < BT) {
+      u32 w[8];
+      const u32 src = stg + r * 256 + c * 32;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(src));
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(w[4]), "=r"(w[5]), "=r"(w[6]), "=r"(w[7]) : "r"(src + 16));
+      float a = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a = max_nan(a, max_nan(fabsf(in_lo(w[j])), fabsf(in_hi(w[j]))));
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) a = max_nan(a, __shfl_xor_sync(0xffffffffu, a, o));
+      const float sc = div_rn(max_nan(a, GROUP_EPS), FP8_MAX);
+      u32 q[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        q[j] = e4m3x2(div_rn(in_lo(w[2 * j]), sc), div_rn(in_hi(w[2 * j]), sc)) |
+               (e4m3x2(div_rn(in_lo(w[2 * j + 1]), sc), div_rn(in_hi(w[2 * j + 1]), sc)) << 16);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                   ::"r"(xq + r * 128 + ((c ^ (r & 7)) << 4)), "r"(q[0]), "r"(q[1]), "r"(q[2]), "r"(q[3])
+                   : "memory");
+      if (c == 0) sa_slot[r] = sc;
+    }
+  }
+  // The codes are read by wgmma (the async proxy); the scales by every consumer.
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
 }
 
 __device__ __forceinline__ void add(float (&acc)[ACC], const float (&d)[ACC]) {
@@ -236,10 +323,13 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 a_desc, u64 b_desc)
 // weight [N, K] (bytes, box 128 x BN, 128-byte swizzle); both zero-fill past
 // the tensor.  sa[mm * sa_step], sb[n * sb_step]: the scales.  G_BLOCK:
 // sa[mm * sa_m + kb * sa_k], sb[(n / 128) * sb_n + kb * sb_k] (any strides).
-// out: [m, N] contiguous.
+// G_QUANT: tmap_a is the 16-bit activation [m, K] (box 128 x BT, no
+// swizzle); sa is unused.  out: [m, N] contiguous.
 extern "C" __global__ void G_CLUSTER __launch_bounds__(f8w::THREADS_ALL, 1)
 fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8w::TmaMap tmap_b,
-#if G_BLOCK
+#if G_QUANT
+          const float* __restrict__ sb, int sb_n, int sb_k, const void* __restrict__ bias,
+#elif G_BLOCK
           const float* __restrict__ sa, int sa_m, int sa_k, const float* __restrict__ sb, int sb_n, int sb_k,
 #else
           const float* __restrict__ sa, int sa_step, const float* __restrict__ sb, int sb_step,
@@ -260,8 +350,8 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
   int kb0;
   const int nk = stage_range<NKB, SPLIT>(kb0);
   // G_BLOCK: a stage is full after the TMA bytes and the 32 producer lanes'
-  // scale copies.
-  ring_init<STAGES>(bars, 4 * WGS, G_BLOCK ? 33 : 1);
+  // scale copies (G_QUANT: the TMA bytes; its consumers write the scales).
+  ring_init<STAGES>(bars, 4 * WGS, G_BLOCK && !G_QUANT ? 33 : 1);
 #if G_BLOCK
   const u32 sa_smem = bars + BAR_BYTES;
   float* sw_smem = reinterpret_cast<float*>(smem_raw + (sa_smem + STAGES * SA_SLOT - smem_addr(smem_raw)));
@@ -275,17 +365,18 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
 
   if (producer) {
-    if (G_BLOCK || lane == 0) {
+    if ((G_BLOCK && !G_QUANT) || lane == 0) {
       for (int i = 0; i < nk; ++i) {
         const int slot = i % STAGES;
         mbar_wait(bars + 8 * (STAGES + slot), ((i / STAGES) & 1) ^ 1);  // the slot's last readers are done
         const u32 full = bars + 8 * slot, base = smem0 + slot * STAGE_BYTES;
         if (lane == 0) {
-          mbar_expect_tx(full, STAGE_BYTES);
-          tma_2d(base, &tmap_a, (kb0 + i) * KB, m0, full);
+          mbar_expect_tx(full, STAGE_BYTES - (G_QUANT ? X_BYTES : 0));
+          // G_QUANT: the 16-bit rows to the staging slot (K coordinates in elements)
+          tma_2d(G_QUANT ? base + X_BYTES + W_BYTES : base, &tmap_a, (kb0 + i) * KB, m0, full);
           tma_2d(base + X_BYTES, &tmap_b, (kb0 + i) * KB, n0, full);
         }
-#if G_BLOCK
+#if G_BLOCK && !G_QUANT
         // Rows past m read nothing and land as zeros.
         for (int r = lane; r < BT; r += 32) {
           const int mm = m0 + r < m ? m0 + r : 0;
@@ -305,6 +396,10 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
     u32 slot = 0, phase = 0;
     for (int i = 0; i < nk; ++i) {
       mbar_wait(bars + 8 * slot, phase);
+#if G_QUANT
+      quantize_stage(smem0 + slot * STAGE_BYTES + X_BYTES + W_BYTES, smem0 + slot * STAGE_BYTES,
+                     reinterpret_cast<float*>(smem_raw + (sa_smem + slot * SA_SLOT - smem_addr(smem_raw))), tid);
+#endif
       const u64 off = (u64)((slot * STAGE_BYTES) >> 4);
 #pragma unroll
       for (int q = 0; q < GROUPS; ++q) {
@@ -370,7 +465,9 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
     const int n = n0 + wgi * 64 + warp * 16 + g + ((i >> 1) & 1) * 8;
     const int mm = m0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
     if (n < N && mm < m) {
-#if G_BLOCK
+#if G_QUANT
+      store_out<G_OUT, N>(out, G_BIAS != 0 ? __fadd_rn(acc[i], bias_at<G_BIAS>(bias, n)) : acc[i], mm, n);
+#elif G_BLOCK
       store_out<G_OUT, N>(out, acc[i], mm, n);
 #else
       float v = __fmul_rn(__fmul_rn(acc[i], sa[mm * sa_step]), sb[n * sb_step]);

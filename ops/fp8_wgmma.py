@@ -64,6 +64,7 @@ ARCH = "sm_90a"
 KB = 128  # K per pipeline stage: one 128-byte swizzle row of e4m3
 OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 BIAS_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+IN_CODES = {torch.bfloat16: 0, torch.float16: 1}  # fp8_block_linear's activation, quantized in the kernel
 TILES = (16, 32, 64, 128)
 # Registers per thread: nine warps put three on one SM quadrant (16384 / 96,
 # rounded down to 8); five warps leave the instruction's limit.
@@ -171,23 +172,27 @@ class WgmmaConfig:
             return 1
         return 4 if self.tile_m <= 32 or (self.tile_m == 64 and self.warpgroups == 1) else 2
 
-    def registers(self, block: bool = False) -> int:
+    def registers(self, block: bool = False, quant: bool = False) -> int:
         """Estimated registers per thread (the accumulators, the fragments,
-        with ``block`` the stage's scales, descriptors and addresses), an
-        upper bound of ptxas' count (checked by the tests)."""
-        return (self.fragments() + 1) * self.tile_m // 2 + 32 + (self.tile_m // 4 if block else 0)
+        with ``block`` the stage's scales, with ``quant`` the 16 activation
+        values a thread quantizes, descriptors and addresses), an upper bound
+        of ptxas' count (checked by the tests)."""
+        return ((self.fragments() + 1) * self.tile_m // 2 + 32 + (self.tile_m // 4 if block else 0)
+                + (16 if quant else 0))
 
-    def stage_bytes(self) -> int:
-        return (self.tile_m + self.rows()) * KB
+    def stage_bytes(self, quant: bool = False) -> int:
+        """One ring stage: the e4m3 activation and weight tiles, with
+        ``quant`` the 16-bit activation rows they are quantized from."""
+        return (self.tile_m * (3 if quant else 1) + self.rows()) * KB
 
-    def smem_bytes(self, k: int = 0, block: bool = False) -> int:
+    def smem_bytes(self, k: int = 0, block: bool = False, quant: bool = False) -> int:
         """Dynamic shared memory: the stages (or the split-K partial tile),
         their two barriers each, with ``block`` each stage's activation scales
         and the CTA's weight scales (``k`` the reduction length), and 1 KiB to
         align the base for the 128-byte swizzle."""
         red = self.tile_m * self.rows() * 4 if self.split_k > 1 else 0
-        scales = self.stages * self.tile_m * 4 + (-(-k // KB) + 31) // 32 * 128 if block else 0
-        return max(self.stages * self.stage_bytes(), red) + 16 * self.stages + scales + 1024
+        scales = self.stages * self.tile_m * 4 + (-(-k // KB) + 31) // 32 * 128 if block or quant else 0
+        return max(self.stages * self.stage_bytes(quant), red) + 16 * self.stages + scales + 1024
 
     def grid(self, n: int, m: int) -> tuple[int, int, int]:
         """(activation tiles, weight tiles, split_k): the activation tiles of a
@@ -195,19 +200,25 @@ class WgmmaConfig:
         return (-(-m // self.tile_m), -(-n // self.rows()), self.split_k)
 
     def defines(self, n: int, k: int, out_dtype: torch.dtype, bias_dtype: torch.dtype | None,
-                block: bool = False) -> dict[str, int]:
-        return {"G_N": n, "G_K": k, "G_BT": self.tile_m, "G_WG": self.warpgroups, "G_ST": self.stages,
-                "G_SPLIT": self.split_k, "G_CHAIN": self.chain, "G_BLOCK": int(block),
-                "G_OUT": OUT_CODES[out_dtype], "G_BIAS": BIAS_CODES[bias_dtype]}
+                block: bool = False, in_dtype: torch.dtype | None = None) -> dict[str, int]:
+        """The kernel's macros; ``in_dtype`` (bf16 / fp16, with ``block``): the
+        activation is quantized in the kernel (``fp8_block_linear``)."""
+        d = {"G_N": n, "G_K": k, "G_BT": self.tile_m, "G_WG": self.warpgroups, "G_ST": self.stages,
+             "G_SPLIT": self.split_k, "G_CHAIN": self.chain, "G_BLOCK": int(block),
+             "G_OUT": OUT_CODES[out_dtype], "G_BIAS": BIAS_CODES[bias_dtype]}
+        if in_dtype is not None:
+            d.update(G_QUANT=1, G_IN=IN_CODES[in_dtype])
+        return d
 
     def short(self) -> str:
         return f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}" + ("c4" if self.chain == 4 else "")
 
 
-def config_valid(cfg: WgmmaConfig, n: int, k: int, block: bool = False) -> tuple[bool, str]:
+def config_valid(cfg: WgmmaConfig, n: int, k: int, block: bool = False, quant: bool = False) -> tuple[bool, str]:
     """THE validity predicate of a config for a shape (dispatch, benchmark and
-    tests), of the block-scaled kernel with ``block``.  Mirrors the kernel's
-    static_asserts and the resource limits."""
+    tests), of the block-scaled kernel with ``block``, of the one that also
+    quantizes the activation (``fp8_block_linear``) with ``quant``.  Mirrors
+    the kernel's static_asserts and the resource limits."""
     if not isinstance(cfg, WgmmaConfig):
         return False, f"expected a WgmmaConfig, got {type(cfg).__name__}"
     if n <= 0 or k <= 0 or k % 16 != 0:
@@ -222,15 +233,17 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int, block: bool = False) -> tuple
         return False, f"split_k must be 1, 2 or 4, got {cfg.split_k}"
     if cfg.chain not in (1, 4):
         return False, f"chain must be 1 or 4, got {cfg.chain}"
+    if quant and k % KB:
+        return False, f"quantizing in the kernel needs K % {KB} == 0 (whole 1 x {KB} groups), got K={k}"
     nkb = -(-k // KB)
     if (cfg.split_k - 1) * -(-nkb // cfg.split_k) >= nkb:
         return False, f"split_k {cfg.split_k} leaves a cluster rank without any of the {nkb} K stages"
     limit = REG_LIMIT[cfg.warpgroups]
-    if cfg.registers(block) > limit:
-        return False, (f"about {cfg.registers(block)} registers per thread, over the limit {limit} of "
-                       f"{cfg.threads()} threads")
-    if cfg.smem_bytes(k, block) > SMEM_MAX:
-        return False, f"{cfg.smem_bytes(k, block)} bytes of shared memory, over {SMEM_MAX}"
+    if cfg.registers(block or quant, quant) > limit:
+        return False, (f"about {cfg.registers(block or quant, quant)} registers per thread, over the limit {limit} "
+                       f"of {cfg.threads()} threads")
+    if cfg.smem_bytes(k, block, quant) > SMEM_MAX:
+        return False, f"{cfg.smem_bytes(k, block, quant)} bytes of shared memory, over {SMEM_MAX}"
     return True, "ok"
 
 
@@ -275,24 +288,40 @@ def default_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block: b
 
 
 @functools.lru_cache(maxsize=4096)  # once per shape and M: every launch asks
-def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block: bool = False) -> WgmmaConfig:
-    """The measured config (:func:`tuned`) or :func:`default_config`."""
-    cfg = tuned(n, k, m, block)
-    if cfg is None or not config_valid(cfg, n, k, block)[0]:
-        cfg = default_config(n, k, m, num_sms, block)
+def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block: bool = False,
+                  quant: bool = False) -> WgmmaConfig:
+    """The measured config (:func:`tuned`) or :func:`default_config`; with
+    ``quant`` (the kernel quantizes the activation: its 16-bit rows take
+    shared memory too) the block-scaled kernel's with as many stages as fit.
+
+    Examples
+    --------
+    >>> choose_config(4096, 4096, 64, block=True, quant=True).stages <= choose_config(4096, 4096, 64, block=True).stages
+    True
+    """
+    cfg = tuned(n, k, m, block or quant)
+    if cfg is None or not config_valid(cfg, n, k, block or quant)[0]:
+        cfg = default_config(n, k, m, num_sms, block or quant)
+    if quant:
+        fits = [c for c in (dataclasses.replace(cfg, stages=s) for s in range(cfg.stages, 1, -1))
+                if config_valid(c, n, k, True, True)[0]]
+        if not fits:
+            raise ValueError(f"no config quantizes in the kernel for N={n}, K={k}, M={m} (from {cfg})")
+        cfg = fits[0]
     return cfg
 
 
-def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block: bool = False) -> list[WgmmaConfig]:
+def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block: bool = False,
+                      quant: bool = False) -> list[WgmmaConfig]:
     """The benchmark's sweep: the chosen config first, then every valid
     tile x warpgroups x stages x split x chain point with one of two tiles:
     the two smallest that cover M, or the largest two where at most one does."""
-    first = choose_config(n, k, m, num_sms, block)
+    first = choose_config(n, k, m, num_sms, block, quant)
     covering = [t for t in TILES if t >= m][:2]
     covering = covering if len(covering) == 2 else list(TILES[-2:])
     found = [WgmmaConfig(t, g, s, sk, c) for c in (1, 4) for t in covering for g in (2, 1) for s in (4, 6, 8)
              for sk in (1, 2, 4)]
-    return [first, *[c for c in found if c != first and config_valid(c, n, k, block)[0]]]
+    return [first, *[c for c in found if c != first and config_valid(c, n, k, block or quant, quant)[0]]]
 
 
 # ----------------------------------------------------------------------------
@@ -302,19 +331,25 @@ def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block
 
 @functools.lru_cache(maxsize=None)
 def kernel_spec(n: int, k: int, cfg: WgmmaConfig, out_dtype: torch.dtype = torch.bfloat16,
-                bias_dtype: torch.dtype | None = None, block: bool = False) -> jit.NvrtcKernelSpec:
+                bias_dtype: torch.dtype | None = None, block: bool = False,
+                in_dtype: torch.dtype | None = None) -> jit.NvrtcKernelSpec:
     """The NVRTC spec of one instantiation (validated); ``block``: the
-    block-scaled kernel of ``fp8_block_mm``."""
+    block-scaled kernel of ``fp8_block_mm``; ``in_dtype`` (bf16 / fp16): the
+    one of ``fp8_block_linear`` that quantizes that activation itself."""
+    quant = in_dtype is not None
     if out_dtype not in OUT_CODES:
         raise ValueError(f"out_dtype: expected bf16, fp16 or fp32, got {out_dtype}")
-    if bias_dtype not in BIAS_CODES or (block and bias_dtype is not None):
-        raise ValueError(f"bias_dtype: expected None{'' if block else ', fp32, bf16 or fp16'}, got {bias_dtype}")
-    ok, why = config_valid(cfg, n, k, block)
+    if quant and (not block or in_dtype not in IN_CODES):
+        raise ValueError(f"in_dtype: expected bf16 or fp16 with block=True, got {in_dtype} (block={block})")
+    if bias_dtype not in BIAS_CODES or (block and not quant and bias_dtype is not None):
+        raise ValueError(f"bias_dtype: expected None{'' if block and not quant else ', fp32, bf16 or fp16'}, "
+                         f"got {bias_dtype}")
+    ok, why = config_valid(cfg, n, k, block, quant)
     if not ok:
-        raise ValueError(f"cfg: expected a valid config for N={n}, K={k}{' (block)' if block else ''}, got {cfg}: "
-                         f"{why}")
+        what = " (block, quantizing)" if quant else " (block)" if block else ""
+        raise ValueError(f"cfg: expected a valid config for N={n}, K={k}{what}, got {cfg}: {why}")
     return jit.NvrtcKernelSpec(KERNEL, source_path(), arch=ARCH,
-                               defines=cfg.defines(n, k, out_dtype, bias_dtype, block))
+                               defines=cfg.defines(n, k, out_dtype, bias_dtype, block, in_dtype))
 
 
 def _scale_step(scale: torch.Tensor, kind: str) -> int:
@@ -349,9 +384,9 @@ def launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: tor
 
 def _tma_rows(a: torch.Tensor) -> torch.Tensor:
     """``a`` as TMA reads it: 16-byte aligned rows (copied if not); one row
-    gets a K-byte stride (its stride is never used)."""
+    gets a K-element stride (its stride is never used)."""
     m, k = a.shape
-    if a.data_ptr() % 16 or (m > 1 and a.stride(0) % 16):
+    if a.data_ptr() % 16 or (m > 1 and a.stride(0) * a.element_size() % 16):
         return a.clone(memory_format=torch.contiguous_format)
     return a.as_strided((1, k), (k, 1)) if m == 1 else a
 
@@ -405,7 +440,8 @@ def launch_block(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_sca
 def block_can_implement(p: Problem) -> tuple[bool, str]:
     """``fp8_block_mm`` with 128 x 128 blocks (DeepSeek-V3's 1 x 128
     activation and 128 x 128 weight scales), bf16 / fp16 / fp32 output, any M,
-    K % 16 == 0.
+    K % 16 == 0; ``fp8_block_linear`` (a bf16 / fp16 activation, quantized in
+    the kernel) with K % 128 == 0 and any bias.
 
     Examples
     --------
@@ -414,7 +450,18 @@ def block_can_implement(p: Problem) -> tuple[bool, str]:
     ...             7168, (("block_size", (128, 128)), ("a_scales_col_major", True)))
     >>> block_can_implement(p)
     (True, 'any M; 128 x 128 blocks, K % 16 == 0')
+    >>> import dataclasses
+    >>> block_can_implement(dataclasses.replace(p, in_dtype=torch.bfloat16))[1]
+    'any M; 128 x 128 blocks, K % 128 == 0, the activation quantized in the kernel'
     """
+    if p.in_dtype in IN_CODES:  # fp8_block_linear
+        if p.out_dtype not in OUT_CODES:
+            return False, f"writes bf16, fp16 or fp32, got out_dtype={p.out_dtype}"
+        if tuple(p.opt("block_size", (128, 128))) != (KB, KB):
+            return False, f"needs block_size (128, 128), got {p.opt('block_size')}"
+        if p.k % KB != 0 or p.k <= 0:
+            return False, f"needs K a positive multiple of {KB} (whole 1 x {KB} groups), got K={p.k}"
+        return True, f"any M; 128 x 128 blocks, K % {KB} == 0, the activation quantized in the kernel"
     why = _dtypes_why(p)
     if why:
         return False, why
@@ -451,6 +498,56 @@ def block_mm(a, b, a_scales, b_scales, block_size=(128, 128), out_dtype=torch.bf
     return launch_block(_tma_rows(a), b, a_scales, b_scales, out, cfg)
 
 
+def launch_linear(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, bias: torch.Tensor | None,
+                  out: torch.Tensor, cfg: WgmmaConfig | None = None) -> torch.Tensor:
+    """Run the kernel that quantizes ``x`` (bf16 / fp16, 16-byte aligned
+    rows) per 1 x 128 group itself into ``out`` ([M, N], contiguous):
+    validated ``fp8_block_linear`` arguments with 128 x 128 blocks, M >= 1,
+    ``b`` 16-byte aligned, ``bias`` contiguous or None."""
+    m, k = x.shape
+    n = b.shape[0]
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    cfg = cfg or choose_config(n, k, m, sm_count(dev), True, True)
+    spec = kernel_spec(n, k, cfg, out.dtype, None if bias is None else bias.dtype, True, x.dtype)
+    x_map = jit.tensor_map_2d(x.data_ptr(), 3 if x.dtype == torch.bfloat16 else 2, k, m, x.stride(0) * 2, KB,
+                              cfg.tile_m, 0)
+    b_map = jit.tensor_map_2d(b.data_ptr(), 1, k, n, b.stride(0), KB, cfg.rows(), 128)
+    spec.kernel().launch(cfg.grid(n, m), cfg.threads(),
+                         (x_map, b_map, b_scales, ctypes.c_int(b_scales.stride(0)), ctypes.c_int(b_scales.stride(1)),
+                          bias, out, ctypes.c_int(m)),
+                         device=x.device, shared_mem=cfg.smem_bytes(k, True, True), pdl=pdl(x.device))
+    return out
+
+
+def block_linear(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None,
+                 cfg: WgmmaConfig | None = None):
+    """Backend entry of ``fp8_block_linear`` (validated arguments): a fresh
+    ``[M, N]`` ``x @ b.T`` with ``x`` quantized per 1 x 128 group inside the
+    GEMM, in one launch.  The codes and scales are
+    ``per_token_group_quant_fp8``'s bit for bit, so the result is the
+    composite's (quantize, then :func:`block_mm` with the same config) bit for
+    bit; the bias is added in fp32 before the one rounding.  Rows of ``x``
+    that are not 16-byte aligned are copied first (TMA).
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> from scaledmm.ops.fp8_block import quantize_weight
+    >>> x = torch.randn(8, 7168, device="cuda", dtype=torch.bfloat16)                    # doctest: +SKIP
+    >>> b, sb = quantize_weight(torch.randn(2112, 7168, device="cuda"))                 # doctest: +SKIP
+    >>> with scaledmm.use_backend("fp8_block", "cuda_wgmma"):                           # doctest: +SKIP
+    ...     out = torch.ops.scaledmm.fp8_block_linear(x, b, sb)
+    """
+    if tuple(int(v) for v in block_size) != (KB, KB):
+        raise ValueError(f"block_size: expected (128, 128), got {tuple(block_size)}")
+    out = torch.empty((x.shape[0], b.shape[0]), dtype=out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if b.data_ptr() % 16:
+        b = b.clone()
+    return launch_linear(_tma_rows(x), b, b_scales, None if bias is None else bias.contiguous(), out, cfg)
+
+
 # ----------------------------------------------------------------------------
 # Backend registration (its place in automatic selection: scaledmm/tuning/fp8_sm90.json
 # and fp8_block_sm90.json)
@@ -466,11 +563,11 @@ backends.register(Backend(
 ))
 backends.register(Backend(
     Family.FP8_BLOCK, NAME,
-    impls={"fp8_block_mm": block_mm},
+    impls={"fp8_block_mm": block_mm, "fp8_block_linear": block_linear},
     is_supported=is_supported,
     can_implement=block_can_implement,
     description=(f"NVRTC TMA + e4m3 wgmma with 1x128 / 128x128 block scales at each 128-K promotion, any M, "
-                 f"K % 16 == 0 (csrc/{SOURCE})"),
+                 f"K % 16 == 0; fp8_block_linear with the 1x128 quantization in the kernel (csrc/{SOURCE})"),
 ))
 
 
@@ -497,6 +594,6 @@ jit.register_prebuild("fp8-wgmma", prebuild_specs,
 jit.register_prebuild("fp8-wgmma-block", functools.partial(prebuild_specs, block=True),
                       help="N:K[,N:K...] block-scaled FP8 wgmma kernels (fp8_block_mm; M = 8 .. 256, bf16 output)")
 
-__all__ = ["WgmmaConfig", "block_can_implement", "block_mm", "can_implement", "candidate_configs", "choose_config",
-           "config_valid", "default_config", "is_supported", "kernel_spec", "launch", "launch_block", "prebuild_specs",
-           "tuned", "wgmma_mm"]
+__all__ = ["WgmmaConfig", "block_can_implement", "block_linear", "block_mm", "can_implement", "candidate_configs",
+           "choose_config", "config_valid", "default_config", "is_supported", "kernel_spec", "launch", "launch_block",
+           "launch_linear", "prebuild_specs", "tuned", "wgmma_mm"]

@@ -34,6 +34,7 @@ bound with ``S`` over the scaled products.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -273,7 +274,10 @@ def _block_problem(m, n=2112, k=7168, block=(128, 128), in_dtype=FP8, out_dtype=
 
 
 @pytest.mark.parametrize("p,why", [
-    (_block_problem(8, in_dtype=BF16), "e4m3 operands"),
+    (_block_problem(8, in_dtype=F32), "e4m3 operands"),
+    (_block_problem(8, k=7168 + 16, in_dtype=BF16), "multiple of 128"),
+    (_block_problem(8, block=(1, 128), in_dtype=F16), "(128, 128)"),
+    (_block_problem(8, in_dtype=BF16, out_dtype=torch.int32), "bf16, fp16 or fp32"),
     (_block_problem(8, out_dtype=torch.int32), "bf16, fp16 or fp32"),
     (_block_problem(8, block=(1, 128)), "(128, 128)"),
     (_block_problem(8, k=7176), "multiple of 16"),
@@ -642,3 +646,165 @@ def test_gpu_block_deterministic_graph_opcheck_compile():
 
     _replays_equal_eager("fp8_block", lambda a, sa: OPS.fp8_block_mm(a, b, sa, sb),
                          lambda a, sa: fw.block_mm(a, b, sa, sb), a, sa, lambda: _block_operands(64, n, k))
+
+
+# ----------------------------------------------------------------------------
+# fp8_block_linear: the activation quantized in the kernel (G_QUANT)
+# ----------------------------------------------------------------------------
+
+
+def _linear_instances():
+    out = {}
+    for n, k in LLAMA8B + DSV3:
+        for m in (1, 16, 64, 128):
+            out[(n, k, fw.choose_config(n, k, m, block=True, quant=True), BF16, None, BF16)] = None
+    out[(1040, 1152, fw.WgmmaConfig(64, 2, 4, 2, 1), F32, F32, F16)] = None
+    out[(1040, 1152, fw.WgmmaConfig(128, 1, 3, 2, 4), F16, BF16, BF16)] = None
+    out[(1040, 1152, fw.WgmmaConfig(16, 2, 8, 1, 4), BF16, F16, F16)] = None
+    return list(out)
+
+
+@nvrtc
+@pytest.mark.parametrize("n,k,cfg,out_dtype,bias_dtype,in_dtype", _linear_instances(),
+                         ids=lambda v: v.short() if hasattr(v, "short") else str(v).replace("torch.", ""))
+def test_linear_instance_compiles_without_spills(n, k, cfg, out_dtype, bias_dtype, in_dtype):
+    assert fw.config_valid(cfg, n, k, True, True) == (True, "ok")
+    spec = fw.kernel_spec(n, k, cfg, out_dtype, bias_dtype, True, in_dtype)
+    regs = nvrtc_registers(spec)
+    assert regs <= cfg.registers(True, True), f"estimate {cfg.registers(True, True)} below the real {regs} registers"
+    log = io.StringIO()
+    spec.compile(logs=log, ptxas_options="-v")
+    assert "serialized" not in log.getvalue(), log.getvalue()
+
+
+def test_linear_configs_fit_with_the_staging_rows():
+    """The quantizing kernel takes the block table's config with as many
+    stages as its 16-bit staging rows leave room for, never more, and
+    refuses K that is not whole 128-groups."""
+    for n, k in LLAMA8B + DSV3:
+        for m in (1, 8, 16, 32, 64, 128, 256, 4096):
+            block, quant = fw.choose_config(n, k, m, block=True), fw.choose_config(n, k, m, block=True, quant=True)
+            assert fw.config_valid(quant, n, k, True, True) == (True, "ok"), (n, k, m, quant)
+            assert dataclasses.replace(quant, stages=block.stages) == block and quant.stages <= block.stages
+            more = dataclasses.replace(quant, stages=quant.stages + 1)
+            assert quant.stages == block.stages or not fw.config_valid(more, n, k, True, True)[0]
+            assert all(fw.config_valid(c, n, k, True, True)[0] for c in fw.candidate_configs(n, k, m, block=True,
+                                                                                            quant=True))
+    assert fw.WgmmaConfig(64, 1, 8, 1, 4).smem_bytes(4096, True, True) > fw.SMEM_MAX
+    assert "K % 128 == 0" in fw.config_valid(fw.WgmmaConfig(16, 1, 4, 1, 4), 256, 4112, True, True)[1]
+    with pytest.raises(ValueError, match="in_dtype"):
+        fw.kernel_spec(256, 256, fw.WgmmaConfig(16, 1, 4, 1, 4), BF16, None, False, BF16)
+    with pytest.raises(ValueError, match="bias_dtype"):
+        fw.kernel_spec(256, 256, fw.WgmmaConfig(16, 1, 4, 1, 4), BF16, BF16, True, None)
+
+
+def _linear_operands(m, n, k, dtype=BF16, outliers=True):
+    from scaledmm.ops.fp8_block import quantize_weight
+
+    x = torch.randn(m, k, device="cuda", dtype=dtype) * 2
+    if outliers:
+        x[:, ::37] *= 100
+    b, sb = quantize_weight(torch.randn(n, k, device="cuda"))
+    return x, b, sb
+
+
+def _composite(x, b, sb, cfg, out_dtype=BF16, bias=None):
+    """per_token_group_quant_fp8, then the block kernel with the same config:
+    what the quantizing kernel must equal bit for bit."""
+    a, sa = OPS.per_token_group_quant_fp8(x, 128, 1e-10, True)
+    if bias is None:
+        return fw.block_mm(a, b, sa, sb, (128, 128), out_dtype, cfg=cfg)
+    return (fw.block_mm(a, b, sa, sb, (128, 128), F32, cfg=cfg) + bias.float()).to(out_dtype)
+
+
+def _linear_run(x, b, sb, cfg, out_dtype=BF16, bias=None):
+    torch.full((x.shape[0] * b.shape[0] + 1024,), float("nan"), device="cuda")  # NaN in the allocator
+    return fw.block_linear(x, b, sb, (128, 128), out_dtype, bias, cfg=cfg)
+
+
+@requires_sm90
+@pytest.mark.parametrize("m,k,dtype", [(1, 4096, BF16), (17, 1152, F16), (100, 4096, BF16), (256, 1152, BF16)])
+def test_gpu_linear_equals_quantize_then_gemm_every_config(m, k, dtype):
+    """Every candidate config: the in-kernel 1 x 128 quantization gives
+    per_token_group_quant_fp8's codes and scales, so the output is the
+    composite's with the same config bit for bit (fp32 out: no rounding hides
+    a difference); N = 1040: a partial weight tile; K = 1152: 9 stages,
+    uneven splits.  The composite itself is float64-checked above."""
+    n = 1040
+    x, b, sb = _linear_operands(m, n, k, dtype)
+    cfgs = fw.candidate_configs(n, k, m, block=True, quant=True)
+    assert len(cfgs) >= 8
+    for cfg in cfgs:
+        got = _linear_run(x, b, sb, cfg, F32)
+        assert torch.equal(got, _composite(x, b, sb, cfg, F32)), cfg.short()
+
+
+@requires_sm90
+@pytest.mark.parametrize("out_dtype,bias_dtype", [(BF16, None), (BF16, BF16), (F16, F32), (F32, F16)])
+def test_gpu_linear_bias_out_dtypes_strided_nan_zero_m(out_dtype, bias_dtype):
+    m, n, k = 37, 1040, 2048
+    cfg = fw.choose_config(n, k, m, block=True, quant=True)
+    x, b, sb = _linear_operands(m, n, k)
+    bias = None if bias_dtype is None else torch.randn(n, device="cuda", dtype=bias_dtype)
+    assert torch.equal(_linear_run(x, b, sb, cfg, out_dtype, bias), _composite(x, b, sb, cfg, out_dtype, bias))
+    for pad in (8, 3):  # row stride 4112 bytes (TMA reads in place) and 4102 (copied first)
+        wide = torch.randn(m, k + pad, device="cuda", dtype=BF16)
+        wide[:, :k] = x
+        assert torch.equal(_linear_run(wide[:, :k], b, sb, cfg, out_dtype, bias),
+                           _composite(x, b, sb, cfg, out_dtype, bias)), pad
+    x[5, 700] = float("nan")
+    x[9, 3] = float("inf")
+    got = _linear_run(x, b, sb, cfg, out_dtype, bias)
+    assert torch.isnan(got[5]).all() and torch.isnan(got[9]).all()  # an Inf makes its group's scale Inf
+    rows = [r for r in range(m) if r not in (5, 9)]
+    assert torch.equal(got[rows], _composite(x, b, sb, cfg, out_dtype, bias)[rows])
+    assert _linear_run(x[:0], b, sb, cfg, out_dtype, bias).shape == (0, n)
+
+
+@requires_sm90
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("n,k", LLAMA8B[:2] + DSV3[:1])
+def test_gpu_linear_op_matches_f64_and_the_composite(m, n, k):
+    """Through the op on this backend (the chosen config): bit for bit the
+    composite, and the composite within the float64 bound."""
+    x, b, sb = _linear_operands(m, n, k)
+    with scaledmm.use_backend("fp8_block", NAME), backends.record() as calls:
+        got = OPS.fp8_block_linear(x, b, sb)
+    assert [name for op, name, _ in calls if op == "fp8_block_linear"] == [NAME]
+    cfg = fw.choose_config(n, k, m, block=True, quant=True)
+    assert torch.equal(got, _composite(x, b, sb, cfg))
+    a, sa = OPS.per_token_group_quant_fp8(x, 128, 1e-10, True)
+    _block_check(fw.block_mm(a, b, sa, sb, (128, 128), BF16, cfg=cfg), a, b, sa, sb, BF16, cfg.chain)
+
+
+@requires_sm90
+def test_gpu_linear_deterministic_graph_opcheck_compile():
+    n, k = 2112, 7168
+    x, b, sb = _linear_operands(64, n, k)
+    cfg = fw.WgmmaConfig(32, 1, 4, 4, 4)  # split K over four ranks
+    first = _linear_run(x, b, sb, cfg)
+    assert torch.equal(first, _linear_run(x, b, sb, cfg))
+    with scaledmm.use_backend("fp8_block", NAME), backends.record() as calls:
+        for m, dt, bias in ((1, BF16, None), (17, F16, BF16), (64, F32, F32)):
+            xs, y, sy = _linear_operands(m, 256, 512, dt if dt != F32 else BF16)
+            bv = None if bias is None else torch.randn(256, device="cuda", dtype=bias)
+            opcheck(OPS.fp8_block_linear.default, (xs, y, sy, [128, 128], dt, bv))
+    assert {name for op, name, _ in calls if op == "fp8_block_linear"} == {NAME}
+
+    graph = torch.cuda.CUDAGraph()
+    with scaledmm.use_backend("fp8_block", NAME):
+        OPS.fp8_block_linear(x, b, sb)  # build outside the capture
+        with torch.cuda.graph(graph):
+            captured = OPS.fp8_block_linear(x, b, sb)
+    x.copy_(_linear_operands(64, n, k)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(captured, first)
+    assert torch.equal(captured, _composite(x, b, sb, fw.choose_config(n, k, 64, block=True, quant=True)))
+
+    def fresh():
+        return _linear_operands(64, n, k)[0], None, torch.zeros(1, device="cuda"), None
+
+    dummy = torch.zeros(1, device="cuda")
+    _replays_equal_eager("fp8_block", lambda x, _s: OPS.fp8_block_linear(x, b, sb),
+                         lambda x, _s: fw.block_linear(x, b, sb), x, dummy, fresh)
