@@ -152,6 +152,11 @@ CASES: tuple[Case, ...] = (
          "M100 N208 K1040", csrc=True),
     Case("fp8_wgmma_block_two_wg", "fp8_block_mm cuda_wgmma, two warpgroups, fresh fragments, row-major scales",
          "M100 N208 K1040", csrc=True),
+    Case("fp8_wgmma_linear", "fp8_block_linear cuda_wgmma (G_QUANT: bf16 rows by TMA, quantized by the consumers "
+         "into the swizzled e4m3 slot, async-proxy fence, named barrier), one warpgroup, K split over 2 CTAs",
+         "M100 N208 K1152", csrc=True),
+    Case("fp8_wgmma_linear_two_wg", "fp8_block_linear cuda_wgmma, two warpgroups sharing the quantization",
+         "M100 N208 K1152", csrc=True),
     Case("fp8_wgmma_tensor", "fp8_scaled_mm cuda_wgmma through the op: per-tensor scales, fp32 out, bf16 bias, "
          "one 16-row tile, two stages", "M5 N208 K1040, strided a", csrc=True),
     Case("nvfp4_decode_cublas", "nvfp4_mm decode_cublas: Triton decodes, cuBLAS fp32 mm, Triton epilogue + bias",

@@ -512,6 +512,30 @@ def case_fp8_wgmma_block(ctx: Ctx, chain: int):
     return close(out, ref, 1e-2, first)
 
 
+def case_fp8_wgmma_linear(ctx: Ctx, warpgroups: int):
+    """cuda_wgmma of fp8_block_linear (csrc/fp8_wgmma.cu with G_QUANT: the
+    16-bit activation by TMA into a staging slot, quantized by the consumer
+    threads into the swizzled e4m3 slot, an async-proxy fence and a named
+    barrier before the stage's MMAs): M = 100 in two 64-row tiles (the second
+    partly past M), N = 208 a partial weight tile, K = 1152 nine groups split
+    over a 2-CTA cluster; one warpgroup, or two sharing the quantization."""
+    import torch
+
+    from scaledmm.ops import fp8_block as fb
+    from scaledmm.ops import fp8_wgmma as fw
+
+    m, n, k = 100, 208, 1152
+    x = ctx.randn(m, k, scale=2.0).to(torch.bfloat16)
+    b = ctx.randn(n, k, scale=2.0).to(torch.float8_e4m3fn)
+    sb = ctx.rand(2, 9)
+    ref = fb.reference_linear(x, b, sb, (128, 128), torch.float32).double()
+    x_d, b_d, sb_d = x.to(ctx.dev), b.to(ctx.dev), sb.to(ctx.dev)
+    need_backend("fp8_block", "cuda_wgmma", fb.linear_problem(x_d, b_d, (128, 128), torch.bfloat16))
+    cfg = fw.WgmmaConfig(64, warpgroups, 3, 2, 4)
+    first, out = ctx.twice(lambda: fw.block_linear(x_d, b_d, sb_d, (128, 128), torch.bfloat16, cfg=cfg))
+    return close(out, ref, 1e-2, first)
+
+
 def case_nvfp4_mid_ring(ctx: Ctx):
     """cuda_mid with the cp.async weight ring (``MidConfig.ring``, not in any
     table yet): W4A4 at M = 100 (two 64-row slices), strided, split K in two
@@ -686,6 +710,8 @@ CHILD_CASES = {
     "fp8_wgmma_two_wg": lambda ctx: case_fp8_wgmma(ctx, True, 2),
     "fp8_wgmma_block_chain": lambda ctx: case_fp8_wgmma_block(ctx, 4),
     "fp8_wgmma_block_two_wg": lambda ctx: case_fp8_wgmma_block(ctx, 1),
+    "fp8_wgmma_linear": lambda ctx: case_fp8_wgmma_linear(ctx, 1),
+    "fp8_wgmma_linear_two_wg": lambda ctx: case_fp8_wgmma_linear(ctx, 2),
     "fp8_tri_quant": case_fp8_quant,
     "skinny_v1": lambda ctx: case_skinny(ctx, "reg"),
     "skinny_v2": lambda ctx: case_skinny(ctx, "tma"),
