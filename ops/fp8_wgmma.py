@@ -22,8 +22,11 @@ copies each stage's activation scales, any strides).  Split K over the CTAs
 of a cluster (DSMEM, rank order): deterministic, no workspace, CUDA-graph
 safe.  Where it runs instead of cuBLAS, CUTLASS or the Triton GEMMs is
 measured (``scaledmm/tuning/fp8_sm90.json``, ``fp8_block_sm90.json``);
-``fp8_linear`` / ``fp8_block_linear`` reach it through their composites
-(quantize, then the GEMM).
+``fp8_linear`` reaches it through its composite (quantize, then the GEMM);
+``fp8_block_linear`` also directly: the bf16 / fp16 activation comes by TMA
+and the consumer warpgroups quantize each stage's 1 x 128 groups in shared
+memory (``per_token_group_quant_fp8``'s bits) before its MMAs, one launch
+instead of two.
 
 Read top to bottom: capability checks, the config space (frozen dataclass,
 one validity predicate :func:`config_valid`, :func:`choose_config` from the
