@@ -31,6 +31,22 @@ __device__ __forceinline__ float mul_rn(float a, float b) {
   return d;
 }
 
+// x / s rounded to nearest even, as div_rn, from r = rcp_rn(s) (one per
+// scale): q0 = x r, then two remainder corrections (Markstein: once q is
+// within an ulp the remainder x - q s is exact in one FMA and q + rem r
+// rounds to the correctly rounded quotient; the first step brings q0 there).
+// About six instructions instead of div.rn's sequence; zeros, tiny, huge and
+// non-finite operands take div_rn (or, for zeros, x r: the signed zero, or
+// NaN with a NaN scale).
+__device__ __forceinline__ float div_by(float x, float s, float r) {
+  const float q0 = mul_rn(x, r);
+  if (fabsf(x) >= 1e-30f && fabsf(q0) >= 1e-30f && fabsf(q0) <= 1e30f) {
+    const float q1 = __fmaf_rn(__fmaf_rn(-q0, s, x), r, q0);
+    return __fmaf_rn(__fmaf_rn(-q1, s, x), r, q1);
+  }
+  return x == 0.f ? q0 : div_rn(x, s);
+}
+
 // Two e4m3 codes, lo in the low byte; saturating (+-Inf -> +-448), NaN -> NaN.
 __device__ __forceinline__ unsigned int e4m3x2(float lo, float hi) {
   unsigned short d;

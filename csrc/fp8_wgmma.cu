@@ -66,8 +66,9 @@
 //    stage's 16-bit activation tile by TMA (no swizzle) into a staging slot
 //    beside the e4m3 one; the consumer threads quantize it, eight threads per
 //    row and 16 values each: the group's amax over the eight (shuffles),
-//    s = max(amax, 1e-10) / 448 and q = e4m3(clamp(x / s)) with IEEE division
-//    (per_token_group_quant_fp8's bits), the codes stored in the 128-byte
+//    s = max(amax, 1e-10) / 448 and q = e4m3(clamp(x / s)), x / s correctly
+//    rounded from one reciprocal per row (div_by: per_token_group_quant_fp8's
+//    bits at a few instructions a value), the codes stored in the 128-byte
 //    swizzle wgmma reads and s in the stage's scale slot; then an async-proxy
 //    fence and a barrier of the consumer threads before the stage's MMAs.
 //    Every CTA of a weight-tile column quantizes the same rows again: a
@@ -229,11 +230,12 @@ __device__ __forceinline__ void quantize_stage(u32 stg, u32 xq, float* sa_slot, 
 #pragma unroll
       for (int o = 1; o < 8; o <<= 1) a = max_nan(a, __shfl_xor_sync(0xffffffffu, a, o));
       const float sc = div_rn(max_nan(a, GROUP_EPS), FP8_MAX);
+      const float rc = rcp_rn(sc);
       u32 q[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        q[j] = e4m3x2(div_rn(in_lo(w[2 * j]), sc), div_rn(in_hi(w[2 * j]), sc)) |
-               (e4m3x2(div_rn(in_lo(w[2 * j + 1]), sc), div_rn(in_hi(w[2 * j + 1]), sc)) << 16);
+        q[j] = e4m3x2(div_by(in_lo(w[2 * j]), sc, rc), div_by(in_hi(w[2 * j]), sc, rc)) |
+               (e4m3x2(div_by(in_lo(w[2 * j + 1]), sc, rc), div_by(in_hi(w[2 * j + 1]), sc, rc)) << 16);
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
                    ::"r"(xq + r * 128 + ((c ^ (r & 7)) << 4)), "r"(q[0]), "r"(q[1]), "r"(q[2]), "r"(q[3])
                    : "memory");

@@ -369,7 +369,7 @@ def test_gpu_ops_select_it_and_write_every_element():
     in the allocator would show as NaN)."""
     gen = torch.Generator(device="cuda").manual_seed(9)
     w, ws = _weight(4096, 14336, "channel", gen)
-    wb, wbs = _weight(6144, 4096, "block", gen)
+    wb, wbs = _weight(28672, 4096, "block", gen)
     x, xb = _activation(1, 14336, gen), _activation(1, 4096, gen)
     poison_(torch.empty(6144 * 4, device="cuda", dtype=torch.uint8))
     with backends.record() as log:
