@@ -22,11 +22,13 @@ copies each stage's activation scales, any strides).  Split K over the CTAs
 of a cluster (DSMEM, rank order): deterministic, no workspace, CUDA-graph
 safe.  Where it runs instead of cuBLAS, CUTLASS or the Triton GEMMs is
 measured (``scaledmm/tuning/fp8_sm90.json``, ``fp8_block_sm90.json``);
-``fp8_linear`` reaches it through its composite (quantize, then the GEMM);
-``fp8_block_linear`` also directly: the bf16 / fp16 activation comes by TMA
-and the consumer warpgroups quantize each stage's 1 x 128 groups in shared
-memory (``per_token_group_quant_fp8``'s bits) before its MMAs, one launch
-instead of two.
+``fp8_linear`` / ``fp8_block_linear`` reach it through their composites
+(quantize, then the GEMM).  :func:`block_linear` runs ``fp8_block_linear`` in
+one launch (the bf16 / fp16 activation by TMA, each stage's 1 x 128 groups
+quantized in shared memory by the consumer warpgroups, bit for bit
+``per_token_group_quant_fp8``); it is not registered: on the measured shapes
+the quantization on the consumers' critical path makes it slower than the
+composite (benchmarks/NOTES.md, session 14).
 
 Read top to bottom: capability checks, the config space (frozen dataclass,
 one validity predicate :func:`config_valid`, :func:`choose_config` from the
@@ -443,8 +445,7 @@ def launch_block(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_sca
 def block_can_implement(p: Problem) -> tuple[bool, str]:
     """``fp8_block_mm`` with 128 x 128 blocks (DeepSeek-V3's 1 x 128
     activation and 128 x 128 weight scales), bf16 / fp16 / fp32 output, any M,
-    K % 16 == 0; ``fp8_block_linear`` (a bf16 / fp16 activation, quantized in
-    the kernel) with K % 128 == 0 and any bias.
+    K % 16 == 0.
 
     Examples
     --------
@@ -453,18 +454,7 @@ def block_can_implement(p: Problem) -> tuple[bool, str]:
     ...             7168, (("block_size", (128, 128)), ("a_scales_col_major", True)))
     >>> block_can_implement(p)
     (True, 'any M; 128 x 128 blocks, K % 16 == 0')
-    >>> import dataclasses
-    >>> block_can_implement(dataclasses.replace(p, in_dtype=torch.bfloat16))[1]
-    'any M; 128 x 128 blocks, K % 128 == 0, the activation quantized in the kernel'
     """
-    if p.in_dtype in IN_CODES:  # fp8_block_linear
-        if p.out_dtype not in OUT_CODES:
-            return False, f"writes bf16, fp16 or fp32, got out_dtype={p.out_dtype}"
-        if tuple(p.opt("block_size", (128, 128))) != (KB, KB):
-            return False, f"needs block_size (128, 128), got {p.opt('block_size')}"
-        if p.k % KB != 0 or p.k <= 0:
-            return False, f"needs K a positive multiple of {KB} (whole 1 x {KB} groups), got K={p.k}"
-        return True, f"any M; 128 x 128 blocks, K % {KB} == 0, the activation quantized in the kernel"
     why = _dtypes_why(p)
     if why:
         return False, why
@@ -524,9 +514,9 @@ def launch_linear(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, bias
 
 def block_linear(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16, bias=None,
                  cfg: WgmmaConfig | None = None):
-    """Backend entry of ``fp8_block_linear`` (validated arguments): a fresh
-    ``[M, N]`` ``x @ b.T`` with ``x`` quantized per 1 x 128 group inside the
-    GEMM, in one launch.  The codes and scales are
+    """``fp8_block_linear``'s arguments (validated here) -> a fresh ``[M, N]``
+    ``x @ b.T`` with ``x`` quantized per 1 x 128 group inside the GEMM, in
+    one launch (not a registered backend: see the module docstring).  The codes and scales are
     ``per_token_group_quant_fp8``'s bit for bit, so the result is the
     composite's (quantize, then :func:`block_mm` with the same config) bit for
     bit; the bias is added in fp32 before the one rounding.  Rows of ``x``
@@ -538,9 +528,9 @@ def block_linear(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16
     >>> from scaledmm.ops.fp8_block import quantize_weight
     >>> x = torch.randn(8, 7168, device="cuda", dtype=torch.bfloat16)                    # doctest: +SKIP
     >>> b, sb = quantize_weight(torch.randn(2112, 7168, device="cuda"))                 # doctest: +SKIP
-    >>> with scaledmm.use_backend("fp8_block", "cuda_wgmma"):                           # doctest: +SKIP
-    ...     out = torch.ops.scaledmm.fp8_block_linear(x, b, sb)
+    >>> out = block_linear(x, b, sb)                                                    # doctest: +SKIP
     """
+    fb.check_linear_args(x, b, b_scales, block_size, out_dtype, bias)
     if tuple(int(v) for v in block_size) != (KB, KB):
         raise ValueError(f"block_size: expected (128, 128), got {tuple(block_size)}")
     out = torch.empty((x.shape[0], b.shape[0]), dtype=out_dtype, device=x.device)
@@ -566,11 +556,14 @@ backends.register(Backend(
 ))
 backends.register(Backend(
     Family.FP8_BLOCK, NAME,
-    impls={"fp8_block_mm": block_mm, "fp8_block_linear": block_linear},
+    # block_linear is not registered for fp8_block_linear: slower than the
+    # composite (quantize, then block_mm) at every point measured, and a
+    # family-wide request of this backend would route the op to it.
+    impls={"fp8_block_mm": block_mm},
     is_supported=is_supported,
     can_implement=block_can_implement,
     description=(f"NVRTC TMA + e4m3 wgmma with 1x128 / 128x128 block scales at each 128-K promotion, any M, "
-                 f"K % 16 == 0; fp8_block_linear with the 1x128 quantization in the kernel (csrc/{SOURCE})"),
+                 f"K % 16 == 0 (csrc/{SOURCE})"),
 ))
 
 
