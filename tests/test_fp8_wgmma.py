@@ -72,28 +72,37 @@ def _instances():
     out = {}
     for n, k in LLAMA8B:
         for m in (8, 32, 64, 256):
-            out[(n, k, fw.choose_config(n, k, m), BF16, None, False)] = None
-            out[(n, k, fw.choose_config(n, k, m, block=True), BF16, None, True)] = None
+            out[(n, k, fw.choose_config(n, k, m), BF16, None, False, None)] = None
+            out[(n, k, fw.choose_config(n, k, m, block=True), BF16, None, True, None)] = None
     for n, k in DSV3:
         for m in (8, 64):
-            out[(n, k, fw.choose_config(n, k, m, block=True), BF16, None, True)] = None
-    out[(4096, 4096, fw.WgmmaConfig(128, 1, 8, 4), F32, BF16, False)] = None
-    out[(4096, 4096, fw.WgmmaConfig(128, 2, 4, 1, 4), F32, BF16, False)] = None
-    out[(208, 4112, fw.WgmmaConfig(16, 1, 2, 2), F16, F32, False)] = None
-    out[(1040, 144, fw.WgmmaConfig(32, 2, 8, 1), BF16, F16, False)] = None
-    out[(1040, 1040, fw.WgmmaConfig(64, 2, 8, 2, 1), F32, None, True)] = None
-    out[(1040, 1040, fw.WgmmaConfig(128, 1, 4, 2, 4), F16, None, True)] = None
+            out[(n, k, fw.choose_config(n, k, m, block=True), BF16, None, True, None)] = None
+    out[(4096, 4096, fw.WgmmaConfig(128, 1, 8, 4), F32, BF16, False, None)] = None
+    out[(4096, 4096, fw.WgmmaConfig(128, 2, 4, 1, 4), F32, BF16, False, None)] = None
+    out[(208, 4112, fw.WgmmaConfig(16, 1, 2, 2), F16, F32, False, None)] = None
+    out[(1040, 144, fw.WgmmaConfig(32, 2, 8, 1), BF16, F16, False, None)] = None
+    out[(1040, 1040, fw.WgmmaConfig(64, 2, 8, 2, 1), F32, None, True, None)] = None
+    out[(1040, 1040, fw.WgmmaConfig(128, 1, 4, 2, 4), F16, None, True, None)] = None
+    for n, k in LLAMA8B + DSV3:
+        for m in (1, 16, 64, 128):
+            out[(n, k, fw.choose_config(n, k, m, block=True, quant=True), BF16, None, True, BF16)] = None
+    out[(1040, 1152, fw.WgmmaConfig(64, 2, 4, 2, 1), F32, F32, True, F16)] = None
+    out[(1040, 1152, fw.WgmmaConfig(128, 1, 3, 2, 4), F16, BF16, True, BF16)] = None
+    out[(1040, 1152, fw.WgmmaConfig(16, 2, 8, 1, 4), BF16, F16, True, F16)] = None
     return list(out)
 
 
 @nvrtc
-@pytest.mark.parametrize("n,k,cfg,out_dtype,bias_dtype,block", _instances(),
+@pytest.mark.parametrize("n,k,cfg,out_dtype,bias_dtype,block,in_dtype", _instances(),
                          ids=lambda v: v.short() if hasattr(v, "short") else str(v).replace("torch.", ""))
-def test_instance_compiles_without_spills(n, k, cfg, out_dtype, bias_dtype, block):
-    assert fw.config_valid(cfg, n, k, block) == (True, "ok")
-    spec = fw.kernel_spec(n, k, cfg, out_dtype, bias_dtype, block)
+def test_instance_compiles_without_spills(n, k, cfg, out_dtype, bias_dtype, block, in_dtype):
+    """in_dtype: the kernel that quantizes that activation itself (block_linear)."""
+    quant = in_dtype is not None
+    assert fw.config_valid(cfg, n, k, block, quant) == (True, "ok")
+    spec = fw.kernel_spec(n, k, cfg, out_dtype, bias_dtype, block, in_dtype)
     regs = nvrtc_registers(spec)
-    assert regs <= cfg.registers(block), f"estimate {cfg.registers(block)} below the real {regs} registers"
+    est = cfg.registers(block, quant)
+    assert regs <= est, f"estimate {est} below the real {regs} registers"
     log = io.StringIO()
     spec.compile(logs=log, ptxas_options="-v")
     assert "serialized" not in log.getvalue(), log.getvalue()  # wgmma kept asynchronous
@@ -648,30 +657,6 @@ def test_gpu_block_deterministic_graph_opcheck_compile():
 # ----------------------------------------------------------------------------
 # fp8_block_linear: the activation quantized in the kernel (G_QUANT)
 # ----------------------------------------------------------------------------
-
-
-def _linear_instances():
-    out = {}
-    for n, k in LLAMA8B + DSV3:
-        for m in (1, 16, 64, 128):
-            out[(n, k, fw.choose_config(n, k, m, block=True, quant=True), BF16, None, BF16)] = None
-    out[(1040, 1152, fw.WgmmaConfig(64, 2, 4, 2, 1), F32, F32, F16)] = None
-    out[(1040, 1152, fw.WgmmaConfig(128, 1, 3, 2, 4), F16, BF16, BF16)] = None
-    out[(1040, 1152, fw.WgmmaConfig(16, 2, 8, 1, 4), BF16, F16, F16)] = None
-    return list(out)
-
-
-@nvrtc
-@pytest.mark.parametrize("n,k,cfg,out_dtype,bias_dtype,in_dtype", _linear_instances(),
-                         ids=lambda v: v.short() if hasattr(v, "short") else str(v).replace("torch.", ""))
-def test_linear_instance_compiles_without_spills(n, k, cfg, out_dtype, bias_dtype, in_dtype):
-    assert fw.config_valid(cfg, n, k, True, True) == (True, "ok")
-    spec = fw.kernel_spec(n, k, cfg, out_dtype, bias_dtype, True, in_dtype)
-    regs = nvrtc_registers(spec)
-    assert regs <= cfg.registers(True, True), f"estimate {cfg.registers(True, True)} below the real {regs} registers"
-    log = io.StringIO()
-    spec.compile(logs=log, ptxas_options="-v")
-    assert "serialized" not in log.getvalue(), log.getvalue()
 
 
 def test_linear_configs_fit_with_the_staging_rows():
