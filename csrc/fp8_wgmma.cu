@@ -71,8 +71,9 @@
 //    bits at a few instructions a value), the codes stored in the 128-byte
 //    swizzle wgmma reads and s in the stage's scale slot; then an async-proxy
 //    fence and a barrier of the consumer threads before the stage's MMAs.
-//    Every CTA of a weight-tile column quantizes the same rows again: a
-//    launch and an activation round trip fewer, worth it where M is small.
+//    Every CTA of a weight-tile column quantizes the same rows again, on
+//    the consumers' per-stage path: so far slower than quantize + GEMM
+//    (ops/fp8_wgmma.py block_linear, not a registered backend).
 //  * Epilogue from the accumulators: (acc * sa[m]) * sb[n] (+ bias), one
 //    rounding to the output dtype.  Split K: each rank's fp32 tile to its
 //    shared memory, rank 0 adds ranks 1.. in order.  Deterministic, no
