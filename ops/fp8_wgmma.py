@@ -28,7 +28,7 @@ one launch (the bf16 / fp16 activation by TMA, each stage's 1 x 128 groups
 quantized in shared memory by the consumer warpgroups, bit for bit
 ``per_token_group_quant_fp8``); it is not registered: on the measured shapes
 the quantization on the consumers' critical path makes it slower than the
-composite (benchmarks/NOTES.md, session 14).
+composite (benchmarks/NOTES.md).
 
 Read top to bottom: capability checks, the config space (frozen dataclass,
 one validity predicate :func:`config_valid`, :func:`choose_config` from the
@@ -516,10 +516,10 @@ def block_linear(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16
                  cfg: WgmmaConfig | None = None):
     """``fp8_block_linear``'s arguments (validated here) -> a fresh ``[M, N]``
     ``x @ b.T`` with ``x`` quantized per 1 x 128 group inside the GEMM, in
-    one launch (not a registered backend: see the module docstring).  The codes and scales are
-    ``per_token_group_quant_fp8``'s bit for bit, so the result is the
-    composite's (quantize, then :func:`block_mm` with the same config) bit for
-    bit; the bias is added in fp32 before the one rounding.  Rows of ``x``
+    one launch (not a registered backend: see the module docstring).  The
+    codes and scales are ``per_token_group_quant_fp8``'s bit for bit, so the
+    result is the composite's (quantize, then :func:`block_mm` with the same
+    config) bit for bit; the bias is added in fp32 before the one rounding.  Rows of ``x``
     that are not 16-byte aligned are copied first (TMA).
 
     Examples
@@ -533,7 +533,7 @@ def block_linear(x, b, b_scales, block_size=(128, 128), out_dtype=torch.bfloat16
     fb.check_linear_args(x, b, b_scales, block_size, out_dtype, bias)
     if tuple(int(v) for v in block_size) != (KB, KB):
         raise ValueError(f"block_size: expected (128, 128), got {tuple(block_size)}")
-    out = torch.empty((x.shape[0], b.shape[0]), dtype=out_dtype, device=x.device)
+    out = fb.mm_output(x, b, out_dtype)
     if out.numel() == 0:
         return out
     if b.data_ptr() % 16:
