@@ -7,8 +7,10 @@ measured table picks it: cuBLAS / CUTLASS at large M)?  Providers: ``auto``
 and every backend of the ``fp8_block`` family that implements the op;
 baselines ``quant_<gemm>`` (the quantize op, then the GEMM forced onto one
 backend, for every GEMM backend this device runs), ``triton_fused`` (the
-quantization inside the Triton GEMM's tile loads, ``fuse=True``) and the
-common GEMM baselines.
+quantization inside the Triton GEMM's tile loads, ``fuse=True``),
+``wgmma_fused`` (``fp8_wgmma.block_linear``: one launch, the quantization in
+a warpgroup of its own; not a registered backend) and the common GEMM
+baselines.
 """
 
 from __future__ import annotations
@@ -68,10 +70,20 @@ def _triton_fused(x, b, b_s, block, out_dtype, bias):
     return fp8_block_triton.linear(x, b, b_s, out_dtype, bias, fuse=True)
 
 
+def _wgmma_fused(x, b, b_s, block, out_dtype, bias):
+    from scaledmm.ops import fp8_wgmma
+
+    return fp8_wgmma.block_linear(x, b, b_s, block, out_dtype, bias)
+
+
 def _baselines(device: torch.device) -> list[Provider]:
     from scaledmm import backends
 
     out = []
+    wgmma = backends.get("fp8_block", "cuda_wgmma") if "cuda_wgmma" in backends.names("fp8_block") else None
+    if wgmma is not None and wgmma.is_supported(device)[0]:
+        # The one-launch kernel (quantization in a warpgroup of the GEMM), not a registered backend.
+        out.append(Provider("wgmma_fused", BASELINE, prepare, _wgmma_fused, reference, to_f64, "fp8"))
     for name in backends.names("fp8_block"):
         b = backends.get("fp8_block", name)
         if name != "reference" and "fp8_block_mm" in b.impls and b.is_supported(device)[0]:

@@ -195,14 +195,15 @@ def test_first_at_decode_sizes_on_sm90(fake_sm90, monkeypatch):
     assert backends.select(_linear_problem(2, 28672, **tensorwise), "fp8_linear").name == "composite"
     for m in (8, 64):
         assert backends.select(_linear_problem(m), "fp8_linear").name == "composite"
-    # block: quantize + cuda_wgmma is ahead but on the gate/up projection at M = 1
-    assert backends.select(_block_problem(1, 28672), "fp8_block_linear").name == NAME
-    assert backends.select(_block_problem(1, 6144), "fp8_block_linear").name == "composite"
-    assert backends.select(_block_problem(1), "fp8_block_linear").name == "composite"
+    # block: quantize + cuda_wgmma is ahead but on DeepSeek-V3's kv_a projection at M = 1
+    assert backends.select(_block_problem(1, 576, 7168), "fp8_block_linear").name == NAME
+    assert backends.select(_block_problem(2, 576, 7168), "fp8_block_linear").name == "composite"
+    for n in (28672, 6144, 4096):
+        assert backends.select(_block_problem(1, n), "fp8_block_linear").name == "composite"
     assert backends.select(_linear_problem(1, 4096, 14336, aligned=False), "fp8_linear").name == "composite"
     monkeypatch.setenv("SCALEDMM_FP8_GEMV", "0")
     assert backends.select(_linear_problem(1, 4096, 14336), "fp8_linear").name == "composite"
-    assert backends.select(_block_problem(1, 28672), "fp8_block_linear").name != NAME
+    assert backends.select(_block_problem(1, 576, 7168), "fp8_block_linear").name != NAME
 
 
 NAME = fg.NAME
@@ -364,13 +365,19 @@ def test_gpu_every_candidate_config(mb):
 
 @requires_sm90
 def test_gpu_ops_select_it_and_write_every_element():
-    """Through the ops (automatic selection at M = 1, on the shapes whose
-    shipped rows pick it): every output element is written (a poisoned buffer
-    in the allocator would show as NaN)."""
+    """Through the ops (automatic selection at M = 1, on shapes whose shipped
+    rows pick it): every output element is written (a poisoned buffer in the
+    allocator would show as NaN)."""
+    from scaledmm import policy
+
+    rows = policy.resolve("fp8_block", "sm90").op_shapes["fp8_block_linear"]
+    picked = [nk for nk in rows if nk != policy.ANY_SHAPE
+              and policy.resolve("fp8_block", "sm90").auto_order(*nk, 1, op="fp8_block_linear")[0] == "cuda_gemv"]
+    assert picked, "no shipped fp8_block_linear row runs cuda_gemv at M = 1"
     gen = torch.Generator(device="cuda").manual_seed(9)
     w, ws = _weight(4096, 14336, "channel", gen)
-    wb, wbs = _weight(28672, 4096, "block", gen)
-    x, xb = _activation(1, 14336, gen), _activation(1, 4096, gen)
+    wb, wbs = _weight(*picked[0], "block", gen)
+    x, xb = _activation(1, 14336, gen), _activation(1, picked[0][1], gen)
     poison_(torch.empty(6144 * 4, device="cuda", dtype=torch.uint8))
     with backends.record() as log:
         out = torch.ops.scaledmm.fp8_linear(x, w, ws, None, True)
