@@ -13,18 +13,22 @@ Method (``/work/.library/device/METHOD.md``):
   and the note says why.
 * On the CPU, wall-clock time around each call (smoke runs only).
 * Statistics: median with the 20th and 80th percentiles of the per-call times.
+* A warm-up of a second or more (``--sustain``) also reads the SM clock after
+  it and after the timed reps (NVML, else ``nvidia-smi``) into the note: the
+  clock a sustained load settles at is what moves large-M figures.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import subprocess
 import time
 from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["TimingConfig", "Timing", "copies_for", "measure", "percentile", "synchronize"]
+__all__ = ["TimingConfig", "Timing", "copies_for", "measure", "percentile", "sm_clock_mhz", "synchronize"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +137,43 @@ def _reps(cfg: TimingConfig, seconds_per_sample: float) -> int:
     return max(cfg.min_reps, min(cfg.max_reps, want))
 
 
+def sm_clock_mhz(device: torch.device) -> int | None:
+    """The SM clock of a CUDA ``device`` over the driver's last sample period
+    (NVML through torch, else ``nvidia-smi``), or None where neither answers.
+
+    Examples
+    --------
+    >>> sm_clock_mhz(torch.device("cpu")) is None
+    True
+    """
+    if device.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.clock_rate(device))
+    except Exception:  # pynvml missing: ask nvidia-smi by the device's UUID
+        pass
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        query = ["nvidia-smi", "-i", f"GPU-{uuid}", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=10)
+        return int(out.stdout.strip().splitlines()[0])
+    except Exception:
+        return None
+
+
+def _clock_note(after_warmup: int | None, after_timing: int | None) -> str:
+    """The note of a sustained measurement's clocks.
+
+    Examples
+    --------
+    >>> _clock_note(1830, 1755), _clock_note(None, None)
+    ('SM clock 1830 MHz after the warm-up, 1755 after timing', '')
+    """
+    if after_warmup is None and after_timing is None:
+        return ""
+    return f"SM clock {after_warmup} MHz after the warm-up, {after_timing} after timing"
+
+
 def _one_pass(fns: Sequence[Callable[[], object]]) -> None:
     for f in fns:
         f()
@@ -153,6 +194,16 @@ def measure(fns: Sequence[Callable[[], object]], device: torch.device, cfg: Timi
     while time.perf_counter() < t_end:
         _one_pass(fns)
         torch.cuda.synchronize(device)
+    if cfg.warmup_s >= 1.0:
+        clock0 = sm_clock_mhz(device)
+        t = _measure_timed(fns, device, cfg)
+        clocks = _clock_note(clock0, sm_clock_mhz(device))
+        return dataclasses.replace(t, note="; ".join(n for n in (t.note, clocks) if n))
+    return _measure_timed(fns, device, cfg)
+
+
+def _measure_timed(fns: Sequence[Callable[[], object]], device: torch.device, cfg: TimingConfig) -> Timing:
+    """The timed part of :func:`measure` (after its warm-up)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     _one_pass(fns)

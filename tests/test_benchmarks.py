@@ -5,6 +5,7 @@ reported and not timed), RESULTS.md sections, skipped families, metrics."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -400,3 +401,20 @@ def test_sustain_sets_the_warm_up_and_the_report_says_so(tmp_path, capsys, monke
     assert "0.25 s of continuous calls before each timed point" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["fp8", *TINY, "--sustain", "-1", "--out", str(tmp_path)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_sustained_timing_notes_the_clocks():
+    """A warm-up of a second or more reads the SM clock around the timed reps
+    (into the note, where the driver answers); a short one leaves the note alone."""
+    from benchmarks import timing
+
+    dev = torch.device("cuda")
+    x = torch.randn(1024, 1024, device=dev)
+    cfg = timing.TimingConfig.for_device(dev, quick=True)
+    short = timing.measure([lambda: x @ x], dev, dataclasses.replace(cfg, warmup_s=0.0))
+    assert "SM clock" not in short.note
+    long = timing.measure([lambda: x @ x], dev, dataclasses.replace(cfg, warmup_s=1.0))
+    clock = timing.sm_clock_mhz(dev)
+    assert long.median_us > 0 and (clock is None or clock > 0)
+    assert ("SM clock" in long.note) == (clock is not None)
