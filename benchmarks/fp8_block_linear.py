@@ -8,9 +8,9 @@ and every backend of the ``fp8_block`` family that implements the op;
 baselines ``quant_<gemm>`` (the quantize op, then the GEMM forced onto one
 backend, for every GEMM backend this device runs), ``triton_fused`` (the
 quantization inside the Triton GEMM's tile loads, ``fuse=True``),
-``wgmma_fused`` (``fp8_wgmma.block_linear``: one launch, the quantization in
-a warpgroup of its own; not a registered backend) and the common GEMM
-baselines.
+``wgmma_fused`` (``fp8_wgmma.block_linear``: one launch, the consumer
+warpgroups quantize each stage before its MMAs; not a registered backend)
+and the common GEMM baselines.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _baselines(device: torch.device) -> list[Provider]:
     out = []
     wgmma = backends.get("fp8_block", "cuda_wgmma") if "cuda_wgmma" in backends.names("fp8_block") else None
     if wgmma is not None and wgmma.is_supported(device)[0]:
-        # The one-launch kernel (quantization in a warpgroup of the GEMM), not a registered backend.
+        # The one-launch kernel (the GEMM quantizes its activation tiles), not a registered backend.
         out.append(Provider("wgmma_fused", BASELINE, prepare, _wgmma_fused, reference, to_f64, "fp8"))
     for name in backends.names("fp8_block"):
         b = backends.get("fp8_block", name)
