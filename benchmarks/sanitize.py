@@ -160,7 +160,10 @@ CASES: tuple[Case, ...] = (
     Case("fp8_wgmma_tensor", "fp8_scaled_mm cuda_wgmma through the op: per-tensor scales, fp32 out, bf16 bias, "
          "one 16-row tile, two stages", "M5 N208 K1040, strided a", csrc=True),
     Case("nvfp4_decode_cublas", "nvfp4_mm decode_cublas: Triton decodes, cuBLAS fp32 mm, Triton epilogue + bias",
-         "M130 N200 K736"),
+         "M130 N200 K736", env=(("SCALEDMM_NVFP4_CUBLASLT", "0"),)),
+    Case("nvfp4_decode_cublaslt", "nvfp4_mm decode_cublas (SCALEDMM_NVFP4_CUBLASLT=1): Triton decodes, one "
+         "cuBLASLt GEMM with device alpha and bias epilogue", "M130 N200 K736",
+         env=(("SCALEDMM_NVFP4_CUBLASLT", "1"),)),
     Case("fp8_tri_quant", "quant_fp8 Triton (ops/fp8_triton_quant.py, if present): per-token, per-tensor, static",
          "M17 K1000, strided x"),
     Case("skinny_v1", "dsv3_fused_a_gemm register kernel (default), without and with PDL", "M3 N208 K1152, strided x",

@@ -560,8 +560,9 @@ def case_nvfp4_mid_ring(ctx: Ctx):
 
 
 def case_nvfp4_decode_cublas(ctx: Ctx):
-    """decode_cublas (ops/nvfp4_cublas.py): Triton decodes + cuBLAS fp32-out mm +
-    the Triton epilogue with bias, M just above MIN_M, N not a multiple of 128."""
+    """decode_cublas (ops/nvfp4_cublas.py), M just above MIN_M, N not a multiple
+    of 128, with bias: Triton decodes, then cuBLAS fp32-out mm + the Triton
+    epilogue, or one cuBLASLt call (the case's SCALEDMM_NVFP4_CUBLASLT)."""
     import torch
 
     import scaledmm
@@ -705,6 +706,7 @@ CHILD_CASES = {
     "nvfp4_wgmma_w4a4": lambda ctx: case_nvfp4_wgmma(ctx, False),
     "nvfp4_wgmma_w4a16": lambda ctx: case_nvfp4_wgmma(ctx, True),
     "nvfp4_decode_cublas": case_nvfp4_decode_cublas,
+    "nvfp4_decode_cublaslt": case_nvfp4_decode_cublas,
     "fp8_wgmma_split": lambda ctx: case_fp8_wgmma(ctx, True),
     "fp8_wgmma_tensor": lambda ctx: case_fp8_wgmma(ctx, False),
     "fp8_wgmma_two_wg": lambda ctx: case_fp8_wgmma(ctx, True, 2),

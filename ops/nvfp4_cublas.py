@@ -1,5 +1,5 @@
 """Backend ``decode_cublas`` of the ``nvfp4`` family: exact NVFP4 GEMMs for
-large M in two passes, the multiply on cuBLAS (SPEC.md "NVFP4").
+large M, the weight decoded to 16 bits, the multiply on cuBLAS(Lt) (SPEC.md "NVFP4").
 
 At large M the fused Triton kernel (``ops/nvfp4_triton.py``) serializes the
 in-register decode with the tensor-core MMAs.  This backend separates them:
@@ -8,19 +8,27 @@ in-register decode with the tensor-core MMAs.  This backend separates them:
    :func:`~scaledmm.ops.nvfp4_triton_decode.dequant` (W4A4: ``xd = deq(a)`` too).
    Exact: every ``e2m1 * e4m3`` product has at most 6 significant bits in
    ``[2**-10, 2688]``.  No ``alpha`` is folded in (that would round);
-2. multiply: ``acc = xd @ wd.T`` in fp32 (``aten::mm.dtype`` on CUDA: cuBLAS
-   with bf16/fp16 operands and fp32 output; on the CPU, under the Triton
-   interpreter, an fp32 matmul of the same exact values).  Products are
-   exact, sums fp32, as in the fused kernel;
-3. epilogue: one Triton kernel ``out = (alpha * acc (+ bias)).to(out_dtype)``
-   in fp32 with one rounding: the fused kernel's epilogue semantics.
+2. multiply and epilogue, ``out = (alpha * (xd @ wd.T) (+ bias)).to(out_dtype)``
+   with exact products, fp32 sums and one rounding (the fused kernel's
+   semantics), on CUDA in ONE cuBLASLt call
+   (:func:`scaledmm.cublaslt.gemm_alpha_dev`: ``alpha`` read from device
+   memory, the bias added in cuBLASLt's epilogue, the output written
+   directly) when ``SCALEDMM_NVFP4_CUBLASLT=1`` (off by default until
+   measured on the H200).  Otherwise, and where that path cannot run (the
+   CPU under the Triton interpreter, libcublasLt missing, cuBLASLt without
+   an algorithm for the dtypes/alignment: e.g. a bias whose dtype is not the
+   16-bit output's, or W4A16 with an output of the other 16-bit type), in
+   two steps: ``acc = xd @ wd.T`` in fp32 (``aten::mm.dtype`` on CUDA: cuBLAS with fp32 output;
+   on the CPU an fp32 matmul of the same exact values), then one Triton
+   epilogue kernel ``out = (alpha * acc (+ bias)).to(out_dtype)``.
 
-Transient memory is bounded: N is processed in chunks (and M as well when one
-128-row weight chunk's accumulator would not fit) so that neither the 16-bit
-weight chunk nor the fp32 accumulator chunk exceeds :data:`CHUNK_BYTES`; each
-chunk's epilogue writes ``out[m0:m1, n0:n1]`` through the output's row
-stride.  Shapes alone choose the chunks: no host sync, CUDA-graph capturable,
-M = 0 and N = 0 return an empty output.
+Transient memory is bounded: N is processed in chunks so that the 16-bit
+weight chunk stays within :data:`CHUNK_BYTES`; on the two-step path M is
+chunked as well when one weight chunk's fp32 accumulator would not fit.  Each
+chunk writes ``out[m0:m1, n0:n1]`` through the output's row stride.  Shapes
+alone choose the chunks: no host sync, CUDA-graph capturable (make one call
+before capturing: it creates the cuBLASLt handle and plan), M = 0 and N = 0
+return an empty output.
 
 Automatic selection: the sm90 and sm80 selection policies
 (``scaledmm/tuning/nvfp4_sm90.json``, ``nvfp4_sm80.json``) place the backend
@@ -31,7 +39,7 @@ automatic selection; ``use_backend("nvfp4", "decode_cublas")`` always
 reaches it.
 
 Read top to bottom: capability checks, chunk plan, epilogue kernel and
-launcher, the two-pass GEMMs (backend entry points), backend registration.
+launcher, the GEMMs (backend entry points), backend registration.
 
 Examples
 --------
@@ -46,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from scaledmm import backends
+from scaledmm import backends, cublaslt, env
 from scaledmm.backends import Backend, Family, Problem
 from scaledmm.ops import nvfp4 as nv
 from scaledmm.ops import nvfp4_triton as nt
@@ -59,12 +67,14 @@ NAME = "decode_cublas"
 #: shapes at M = 64; from M = 128 this path wins all four.  Numbers:
 #: benchmarks/NOTES.md, "Provenance of tuned numbers".
 MIN_M = 128
-#: Bound on each transient buffer: the 16-bit weight chunk and the fp32
-#: accumulator chunk (the activation decode of W4A4 is M x K x 2 bytes, the
-#: size of a bf16 activation).
+#: Bound on each transient buffer: the 16-bit weight chunk and (two-step
+#: path only) the fp32 accumulator chunk (the activation decode of W4A4 is
+#: M x K x 2 bytes, the size of a bf16 activation).
 CHUNK_BYTES = 256 << 20
 #: 16-bit type of the decoded W4A4 operands (both exact; bf16 keeps cuBLAS off
-#: any fp16-accumulation setting).  W4A16 decodes to the activation's dtype.
+#: any fp16-accumulation setting), except fp16 for an fp16 output on the
+#: cuBLASLt path (its 16-bit outputs take operands of their own type; fp32
+#: compute there).  W4A16 decodes to the activation's dtype.
 W4A4_DTYPE = torch.bfloat16
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OPS = ("nvfp4_mm", "nvfp4_w4a16_mm")
@@ -101,8 +111,25 @@ def is_supported(device: torch.device) -> tuple[bool, str]:
         return False, why
     if device.type == "cuda" and not has_mm_dtype():
         return False, f"needs aten::mm.dtype (fp32 output of 16-bit cuBLAS GEMMs, torch >= 2.8), torch {torch.__version__}"
+    if uses_cublaslt(device):
+        return True, "Triton exact decode to 16 bits + one cuBLASLt GEMM (device alpha, bias epilogue)"
     where = "fp32 matmul (interpreter)" if device.type == "cpu" else "cuBLAS mm with fp32 output"
     return True, f"Triton exact decode to 16 bits + {where} + Triton epilogue"
+
+
+def uses_cublaslt(device: torch.device) -> bool:
+    """Whether the multiply and epilogue run as one cuBLASLt call on ``device``:
+    a CUDA device where :func:`scaledmm.cublaslt.available` holds and
+    ``SCALEDMM_NVFP4_CUBLASLT`` is on (:func:`scaledmm.env.nvfp4_cublaslt`,
+    read at every call; default off).
+
+    Examples
+    --------
+    >>> import torch
+    >>> uses_cublaslt(torch.device("cpu"))
+    False
+    """
+    return device.type == "cuda" and env.nvfp4_cublaslt() and cublaslt.available(device)[0]
 
 
 def can_implement(p: Problem) -> tuple[bool, str]:
@@ -127,15 +154,17 @@ def can_implement(p: Problem) -> tuple[bool, str]:
 # ----------------------------------------------------------------------------
 
 
-def chunk_rows(m: int, n: int, k: int, bound: int | None = None) -> tuple[int, int]:
+def chunk_rows(m: int, n: int, k: int, bound: int | None = None, fp32_acc: bool = True) -> tuple[int, int]:
     """``(n_rows, m_rows)``: weight rows and activation rows per chunk.
 
     ``n_rows`` is a multiple of 128 (a chunk of the swizzled block scales is
     then a contiguous row range of them) unless one chunk holds all N rows;
-    it keeps the 16-bit weight chunk (``n_rows * k * 2`` bytes) and the fp32
-    accumulator (``min(m, m_rows) * n_rows * 4``) within ``bound``
-    (:data:`CHUNK_BYTES`), never below 128 rows.  ``m_rows`` is ``m`` unless
-    even a 128-row accumulator of all M rows exceeds the bound.
+    it keeps the 16-bit weight chunk (``n_rows * k * 2`` bytes) and, with
+    ``fp32_acc`` (the two-step path), the fp32 accumulator (``min(m, m_rows)
+    * n_rows * 4``) within ``bound`` (:data:`CHUNK_BYTES`), never below 128
+    rows.  ``m_rows`` is ``m`` unless even a 128-row accumulator of all M rows
+    exceeds the bound (never without ``fp32_acc``: one cuBLASLt call writes
+    the output directly).
 
     Examples
     --------
@@ -143,15 +172,29 @@ def chunk_rows(m: int, n: int, k: int, bound: int | None = None) -> tuple[int, i
     (4096, 4096)
     >>> chunk_rows(17, 1000, 64, bound=128 * 64 * 2)
     (128, 17)
+    >>> chunk_rows(1 << 20, 4096, 4096), chunk_rows(1 << 20, 4096, 4096, fp32_acc=False)
+    ((128, 524288), (4096, 1048576))
     """
     bound = CHUNK_BYTES if bound is None else bound
     m, n, k = max(m, 1), max(n, 1), max(k, 1)
-    rows = min(bound // (2 * k), bound // (4 * m))
+    rows = min(bound // (2 * k), bound // (4 * m)) if fp32_acc else bound // (2 * k)
     rows = max(nv.SCALE_ROWS, rows - rows % nv.SCALE_ROWS)
     if rows >= n:
         rows = n
-    m_rows = max(1, bound // (4 * rows)) if 4 * m * rows > bound else m
-    return rows, min(m, m_rows)
+    return rows, min(m, acc_rows(m, rows, bound) if fp32_acc else m)
+
+
+def acc_rows(m: int, n_rows: int, bound: int | None = None) -> int:
+    """Activation rows per chunk of the two-step path for a weight chunk of
+    ``n_rows`` rows: ``m`` unless its fp32 accumulator exceeds ``bound``.
+
+    Examples
+    --------
+    >>> acc_rows(4096, 4096), acc_rows(1 << 20, 128)
+    (4096, 524288)
+    """
+    bound = CHUNK_BYTES if bound is None else bound
+    return max(1, bound // (4 * n_rows)) if 4 * m * n_rows > bound else m
 
 
 # ----------------------------------------------------------------------------
@@ -194,7 +237,7 @@ def epilogue(acc: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None, 
 
 
 # ----------------------------------------------------------------------------
-# 4. The two passes (backend entry points)
+# 4. The GEMMs (backend entry points)
 # ----------------------------------------------------------------------------
 
 
@@ -206,28 +249,42 @@ def mm_f32(x16: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
     return x16.float() @ wd.float().t()
 
 
-def _two_pass(x16: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torch.Tensor,
-              out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """``(alpha * (x16 @ deq(b).T) (+ bias)).to(out_dtype)``, chunked."""
+def _two_step(x16: torch.Tensor, wd: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
+              out: torch.Tensor, m_rows: int) -> None:
+    """fp32 ``x16 @ wd.T`` then the Triton epilogue into ``out``, ``m_rows`` rows at a time."""
+    for m0 in range(0, x16.shape[0], m_rows):
+        m1 = min(x16.shape[0], m0 + m_rows)
+        epilogue(mm_f32(x16[m0:m1], wd), alpha, bias, out[m0:m1])
+
+
+def _decode_mm(x16: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torch.Tensor,
+               out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """``(alpha * (x16 @ deq(b).T) (+ bias)).to(out_dtype)``, chunked: one
+    cuBLASLt call per weight chunk where :func:`uses_cublaslt`, else two steps."""
     m, n, k = x16.shape[0], b.shape[0], x16.shape[1]
     out = nv.mm_output(x16, b, out_dtype)
     if m == 0 or n == 0:
         return out
-    n_rows, m_rows = chunk_rows(m, n, k)
+    lt = uses_cublaslt(x16.device)
+    n_rows, m_rows = chunk_rows(m, n, k, fp32_acc=not lt)
     for n0 in range(0, n, n_rows):
         n1 = min(n, n0 + n_rows)
         s_rows = nv.swizzled_shape(n1 - n0, 1)[0]  # n0 is a multiple of 128: a contiguous block
         wd = nd.dequant(b[n0:n1], b_scales[n0:n0 + s_rows], x16.dtype)
         chunk_bias = None if bias is None else bias[n0:n1]
-        for m0 in range(0, m, m_rows):
-            m1 = min(m, m0 + m_rows)
-            epilogue(mm_f32(x16[m0:m1], wd), alpha, chunk_bias, out[m0:m1, n0:n1])
+        if lt:
+            try:
+                cublaslt.gemm_alpha_dev(x16, wd, alpha, chunk_bias, out[:, n0:n1])
+            except cublaslt.NoAlgorithm:  # remembered per shape: later calls come here at once
+                _two_step(x16, wd, alpha, chunk_bias, out[:, n0:n1], acc_rows(m, n1 - n0))
+        else:
+            _two_step(x16, wd, alpha, chunk_bias, out[:, n0:n1], m_rows)
         del wd
     return out
 
 
 def mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None):
-    """``nvfp4_mm`` in two passes: ``alpha * (deq(a) @ deq(b).T) (+ bias)``,
+    """``nvfp4_mm`` decoded to 16 bits: ``alpha * (deq(a) @ deq(b).T) (+ bias)``,
     exact products, fp32 sums, one rounding.
 
     Examples
@@ -243,12 +300,13 @@ def mm(a, b, a_scales, b_scales, alpha, out_dtype=torch.bfloat16, bias=None):
     """
     if a.shape[0] == 0 or b.shape[0] == 0:
         return nv.mm_output(a, b, out_dtype)
-    xd = nd.dequant(a, a_scales, W4A4_DTYPE)
-    return _two_pass(xd, b, b_scales, alpha, out_dtype, bias)
+    fp16 = out_dtype == torch.float16 and uses_cublaslt(a.device)  # cuBLASLt: 16-bit out = operand dtype
+    xd = nd.dequant(a, a_scales, torch.float16 if fp16 else W4A4_DTYPE)
+    return _decode_mm(xd, b, b_scales, alpha, out_dtype, bias)
 
 
 def w4a16_mm(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None):
-    """``nvfp4_w4a16_mm`` in two passes: ``x @ (weight_alpha * deq(b)).T (+ bias)``
+    """``nvfp4_w4a16_mm`` decoded to 16 bits: ``x @ (weight_alpha * deq(b)).T (+ bias)``
     with ``deq(b)`` exact in ``x.dtype``, fp32 sums, one rounding.
 
     Examples
@@ -260,7 +318,7 @@ def w4a16_mm(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None):
     >>> with scaledmm.use_backend("nvfp4", "decode_cublas"):             # doctest: +SKIP
     ...     out = torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, one)
     """
-    return _two_pass(x, b, b_scales, weight_alpha, out_dtype, bias)
+    return _decode_mm(x, b, b_scales, weight_alpha, out_dtype, bias)
 
 
 # ----------------------------------------------------------------------------
@@ -273,6 +331,6 @@ backends.register(Backend(
     impls={"nvfp4_mm": mm, "nvfp4_w4a16_mm": w4a16_mm},
     is_supported=is_supported,
     can_implement=can_implement,
-    description=(f"exact 16-bit decode (Triton) + cuBLAS fp32-output mm + Triton epilogue, M >= {MIN_M} "
-                 "(sm80+)"),
+    description=(f"exact 16-bit decode (Triton) + one cuBLASLt GEMM (device alpha, bias epilogue; fallback: "
+                 f"cuBLAS fp32-output mm + Triton epilogue), M >= {MIN_M} (sm80+)"),
 ))

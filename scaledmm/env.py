@@ -29,7 +29,7 @@ from typing import Any, Mapping
 __all__ = [
     "VARIABLES", "backend_var", "is_switch_var", "raw", "text", "get", "switched_on", "switch_on", "cache_dir",
     "jit_no_build", "nvcc", "cutlass_include", "nvfp4_predecode_w",
-    "nvfp4_triton_decode", "skinny_kernel", "pdl",
+    "nvfp4_triton_decode", "skinny_kernel", "pdl", "nvfp4_cublaslt",
 ]
 
 _PREFIX = "SCALEDMM_"
@@ -44,6 +44,7 @@ SKINNY_KERNEL = _PREFIX + "SKINNY_KERNEL"
 NVFP4_GEMV = _PREFIX + "NVFP4_GEMV"
 NVFP4_MID = _PREFIX + "NVFP4_MID"
 NVFP4_DECODE_CUBLAS = _PREFIX + "NVFP4_DECODE_CUBLAS"
+NVFP4_CUBLASLT = _PREFIX + "NVFP4_CUBLASLT"
 NVFP4_WGMMA = _PREFIX + "NVFP4_WGMMA"
 FP8_GEMV = _PREFIX + "FP8_GEMV"
 FP8_WGMMA = _PREFIX + "FP8_WGMMA"
@@ -63,6 +64,8 @@ VARIABLES: dict[str, str] = {
     NVFP4_GEMV: "0 or empty: cuda_gemv leaves nvfp4 automatic selection (default on)",
     NVFP4_MID: "0 or empty: cuda_mid leaves nvfp4 automatic selection (default on)",
     NVFP4_DECODE_CUBLAS: "0 or empty: decode_cublas leaves nvfp4 automatic selection (default on)",
+    NVFP4_CUBLASLT: "1: decode_cublas multiplies and applies alpha and bias in one cuBLASLt call that "
+                    "reads alpha on the device, instead of cuBLAS fp32 output + a Triton epilogue (default off)",
     NVFP4_WGMMA: "0 or empty: cuda_wgmma leaves nvfp4 automatic selection (default on)",
     FP8_GEMV: "0 or empty: cuda_gemv leaves fp8 and fp8_block automatic selection (default on)",
     FP8_WGMMA: "0 or empty: cuda_wgmma leaves fp8 automatic selection (default on)",
@@ -256,3 +259,20 @@ def pdl() -> bool:
     True
     """
     return switched_on(text(raw(PDL)))
+
+
+def nvfp4_cublaslt() -> bool:
+    """``SCALEDMM_NVFP4_CUBLASLT``: anything but unset, empty, 0, false or no
+    (any case, spaces ignored) turns it on; read at every call.  Off by
+    default until the cuBLASLt path has passed its GPU tests and layer
+    timing on the H200 (benchmarks/NOTES.md, "Session 16").
+
+    Examples
+    --------
+    >>> import os; os.environ[NVFP4_CUBLASLT] = "1"; nvfp4_cublaslt()
+    True
+    >>> del os.environ[NVFP4_CUBLASLT]; nvfp4_cublaslt()
+    False
+    """
+    value = text(raw(NVFP4_CUBLASLT))
+    return value is not None and value.strip().lower() not in ("", "0", "false", "no")

@@ -20,7 +20,7 @@ if str(REPO) not in sys.path:
 from benchmarks import sanitize as ds  # noqa: E402
 from benchmarks import sanitize_cases as sc  # noqa: E402
 
-TRITON_CASES = [c.name for c in ds.CASES if "_tri_" in c.name or c.name == "nvfp4_decode_cublas"]
+TRITON_CASES = [c.name for c in ds.CASES if "_tri_" in c.name or c.name.startswith("nvfp4_decode_cublas")]
 GPU_ONLY = [c.name for c in ds.CASES if c.name not in TRITON_CASES]
 
 

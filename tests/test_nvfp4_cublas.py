@@ -1,5 +1,6 @@
 """Backend ``decode_cublas`` of nvfp4 (``ops/nvfp4_cublas.py``): exact 16-bit
-decode, fp32-output GEMM, one fused epilogue.
+decode, then one cuBLASLt GEMM with device alpha and bias epilogue (CUDA), or
+an fp32-output GEMM and one fused epilogue (the fallback).
 
 * Interpreter tests (``@interp``): the Triton decode and epilogue run in
   Triton's CPU interpreter, which must be switched on before Triton is first
@@ -7,12 +8,16 @@ decode, fp32-output GEMM, one fused epilogue.
   tests/test_nvfp4_cublas.py``; in the ordinary suite
   :func:`test_interpreter_suite` re-runs this file in such a subprocess.
   Small shapes, M in 0, 1, 17, 33, N and K not powers of two, chunking forced
-  by a tiny :data:`CHUNK_BYTES`, poisoned outputs, opcheck, torch.compile.
+  by a tiny :data:`CHUNK_BYTES`, poisoned outputs, opcheck, torch.compile; the
+  cuBLASLt branch with a CPU stand-in for :func:`scaledmm.cublaslt.gemm_alpha_dev`
+  (its chunks, and the fallback when cuBLASLt has no algorithm).
 * CPU tests (main process): the chunk plan, the gates, automatic selection on
-  a faked sm90 / sm80 device, the environment switch.
+  a faked sm90 / sm80 device, the environment switches.
 * GPU tests (``@requires_cuda``): llama8b shapes at M = 128, 1023, 4096
   against float64 (fp32 output within fp32 accumulation error: the
-  exactness claim), chunking, CUDA-graph capture, M = 0 and N = 0.
+  exactness claim), chunking, CUDA-graph capture, M = 0 and N = 0; the
+  cuBLASLt path (``SCALEDMM_NVFP4_CUBLASLT=1``, default off) and the
+  two-step path both against float64 and within one output ulp of each other.
 
 References: float64 math on operands decoded by ``ops/nvfp4.dequantize``.
 """
@@ -29,7 +34,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import scaledmm
-from scaledmm import backends
+from scaledmm import backends, cublaslt, env
 from scaledmm.backends import Family, Problem
 from scaledmm.ops import nvfp4 as nv
 from scaledmm.ops import nvfp4_cublas as dc
@@ -175,6 +180,42 @@ def test_zero_n():
 
 
 @interp
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 33])
+def test_cublaslt_branch_chunks_and_falls_back(monkeypatch, out_dtype, m):
+    """The cuBLASLt branch with a CPU stand-in: one call per 128-row weight
+    chunk over all M rows, writing the output's column range; when cuBLASLt
+    has no algorithm, the two-step path (M chunked for its fp32 accumulator)."""
+    monkeypatch.setattr(dc, "CHUNK_BYTES", BOUNDS["chunked"])
+    monkeypatch.setattr(dc, "uses_cublaslt", lambda device: True)
+    _poison_outputs(monkeypatch)
+    calls = []
+
+    def stand_in(x, w, alpha, bias, out):
+        calls.append((x.shape[0], w.shape[0], out.shape, out.stride(0)))
+        acc = alpha.float() * (x.float() @ w.float().t())
+        return out.copy_(acc if bias is None else acc + bias.float())
+
+    def no_algorithm(x, w, alpha, bias, out):
+        calls.append("none")
+        raise cublaslt.NoAlgorithm("stand-in: no algorithm")
+
+    n, k = 300, 96
+    qa, sa = quantized(m, k, scale=3.0, gs=10.0)
+    qb, sb = quantized(n, k, scale=0.1, gs=3000.0)
+    alpha, bias = torch.tensor(0.37), torch.randn(n).bfloat16()
+    monkeypatch.setattr(cublaslt, "gemm_alpha_dev", stand_in)
+    out = dc.mm(qa, qb, sa, sb, alpha, out_dtype, bias)
+    assert calls == [(m, 128, (m, 128), n), (m, 128, (m, 128), n), (m, 44, (m, 44), n)]
+    check(out, nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha, bias, interpreter=True)
+    calls.clear()
+    monkeypatch.setattr(cublaslt, "gemm_alpha_dev", no_algorithm)
+    out = dc.mm(qa, qb, sa, sb, alpha, out_dtype, bias)
+    assert calls == ["none"] * 3
+    check(out, nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha, bias, interpreter=True)
+
+
+@interp
 @settings(max_examples=8)
 @given(m=st.integers(0, 40), n=st.integers(1, 300), groups=st.integers(1, 9), w4a16=st.booleans(),
        chunked=st.booleans(), log_ws=st.integers(-8, 8), seed=st.integers(0, 2**31 - 1))
@@ -285,12 +326,28 @@ def test_chunk_plan_bounds(m, n, groups, log_bound):
         assert m_rows == max(m, 1)
 
 
+@given(m=st.integers(0, 1 << 20), n=st.integers(0, 1 << 17), groups=st.integers(1, 2048),
+       log_bound=st.integers(12, 30))
+def test_chunk_plan_without_accumulator(m, n, groups, log_bound):
+    """The cuBLASLt path has no fp32 accumulator: only the weight chunk is bounded, M is never split."""
+    k, bound = 16 * groups, 1 << log_bound
+    n_rows, m_rows = dc.chunk_rows(m, n, k, bound, fp32_acc=False)
+    assert m_rows == max(m, 1)
+    assert n_rows == max(n, 1) or n_rows % 128 == 0
+    assert n_rows * k * 2 <= bound or n_rows == min(128, max(n, 1)) or n_rows == 128
+    assert n_rows >= dc.chunk_rows(m, n, k, bound)[0]  # never smaller than with the accumulator
+
+
 def test_chunk_plan_llama8b():
     # one chunk up to 256 MiB each; 28672 rows at M = 4096: two N chunks
     assert dc.chunk_rows(4096, 4096, 4096) == (4096, 4096)
     assert dc.chunk_rows(4096, 28672, 4096) == (16384, 4096)
     assert dc.chunk_rows(128, 28672, 4096) == (28672, 128)
     assert dc.chunk_rows(1 << 20, 4096, 4096) == (128, 1 << 19)
+    # the cuBLASLt path bounds the 16-bit weight chunk only
+    assert dc.chunk_rows(4096, 28672, 4096, fp32_acc=False) == (28672, 4096)
+    assert dc.chunk_rows(1 << 20, 4096, 4096, fp32_acc=False) == (4096, 1 << 20)
+    assert dc.chunk_rows(4096, 28672, 14336, fp32_acc=False) == (9344, 4096)
 
 
 def _problem(m, n=4096, k=4096, out_dtype=torch.bfloat16, w4a16=False, device=("cuda", 0)):
@@ -337,6 +394,24 @@ def test_is_supported_gates(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))
     ok, why = dc.is_supported(torch.device("cuda", 0))
     assert not ok and "sm80" in why
+
+
+def test_cublaslt_switch_selects_the_path(monkeypatch):
+    """SCALEDMM_NVFP4_CUBLASLT (read at every call; default off): 1 selects the cuBLASLt path."""
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.delenv(env.NVFP4_CUBLASLT, raising=False)
+    monkeypatch.setattr(cublaslt, "available", lambda device=None: (True, "stand-in"))
+    assert not dc.uses_cublaslt(cuda0) and not env.nvfp4_cublaslt()
+    for value, on in (("0", False), ("", False), (" False ", False), ("no", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv(env.NVFP4_CUBLASLT, value)
+        assert dc.uses_cublaslt(cuda0) is on, value
+    monkeypatch.setenv(env.NVFP4_CUBLASLT, "1")
+    assert not dc.uses_cublaslt(torch.device("cpu")) and not dc.uses_cublaslt(torch.device("meta"))
+    monkeypatch.setattr(cublaslt, "available", lambda device=None: (False, "no libcublasLt"))
+    assert not dc.uses_cublaslt(cuda0)
+    if not CHILD:  # no CUDA here: the real check says no
+        monkeypatch.undo()
+        assert dc.uses_cublaslt(cuda0) is cublaslt.available(cuda0)[0]
 
 
 @pytest.fixture(params=[(9, 0), (8, 0)], ids=["sm90", "sm80"])
@@ -416,6 +491,14 @@ def _gpu_operands(m, n, k, w4a16=False):
     return qa, sa, qb, sb, torch.tensor(1.0 / (gs_x * gs_w), device="cuda")
 
 
+@pytest.fixture(params=["two_step", "cublaslt"])
+def path(request, monkeypatch):
+    """Runs a GPU test on each multiply path (SCALEDMM_NVFP4_CUBLASLT off / on)."""
+    monkeypatch.setenv(env.NVFP4_CUBLASLT, "1" if request.param == "cublaslt" else "0")
+    assert dc.uses_cublaslt(torch.device("cuda")) == (request.param == "cublaslt")
+    return request.param
+
+
 def _nan_allocator(elems):
     torch.full((elems + 1024,), float("nan"), device="cuda")  # freed: NaN in the caching allocator
 
@@ -436,7 +519,7 @@ def _gpu_check(out, a, sa, qb, sb, alpha, bias=None):
 @requires_cuda
 @pytest.mark.parametrize("m", [128, 1023, 4096])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (1040, 4112)])
-def test_gpu_w4a4_fp32_equals_float64(m, n, k):
+def test_gpu_w4a4_fp32_equals_float64(m, n, k, path):
     a, sa, qb, sb, alpha = _gpu_operands(m, n, k)
     _gpu_check(_gpu_run(a, sa, qb, sb, alpha), a, sa, qb, sb, alpha)
 
@@ -444,7 +527,7 @@ def test_gpu_w4a4_fp32_equals_float64(m, n, k):
 @requires_cuda
 @pytest.mark.parametrize("m", [128, 4096])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1040, 4112)])
-def test_gpu_w4a16_fp32_equals_float64(m, n, k):
+def test_gpu_w4a16_fp32_equals_float64(m, n, k, path):
     x, _, qb, sb, alpha = _gpu_operands(m, n, k, w4a16=True)
     _gpu_check(_gpu_run(x, None, qb, sb, alpha), x, None, qb, sb, alpha)
     _gpu_check(_gpu_run(x.half(), None, qb, sb, alpha), x.half(), None, qb, sb, alpha)
@@ -453,14 +536,14 @@ def test_gpu_w4a16_fp32_equals_float64(m, n, k):
 @requires_cuda
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
-def test_gpu_half_outputs_and_bias(out_dtype, bias_dtype):
+def test_gpu_half_outputs_and_bias(out_dtype, bias_dtype, path):
     a, sa, qb, sb, alpha = _gpu_operands(300, 6144, 4096)
     bias = None if bias_dtype is None else torch.randn(6144, device="cuda").to(bias_dtype)
     _gpu_check(_gpu_run(a, sa, qb, sb, alpha, out_dtype, bias), a, sa, qb, sb, alpha, bias)
 
 
 @requires_cuda
-def test_gpu_chunked_matches_float64(monkeypatch):
+def test_gpu_chunked_matches_float64(monkeypatch, path):
     monkeypatch.setattr(dc, "CHUNK_BYTES", 1 << 18)  # 128-row weight chunks, 512-row M chunks
     assert dc.chunk_rows(1023, 1040, 4096) == (128, 512)
     a, sa, qb, sb, alpha = _gpu_operands(1023, 1040, 4096)
@@ -471,7 +554,7 @@ def test_gpu_chunked_matches_float64(monkeypatch):
 
 
 @requires_cuda
-def test_gpu_zero_m_and_n_and_strided_rows():
+def test_gpu_zero_m_and_n_and_strided_rows(path):
     m = dc.MIN_M + 3
     a, sa, qb, sb, alpha = _gpu_operands(m, 256, 512)
     one = torch.tensor(1.0, device="cuda")
@@ -485,7 +568,7 @@ def test_gpu_zero_m_and_n_and_strided_rows():
 
 
 @requires_cuda
-def test_gpu_cuda_graph_capture_and_replay():
+def test_gpu_cuda_graph_capture_and_replay(path):
     a, sa, qb, sb, alpha = _gpu_operands(512, 4096, 4096)
     bias = torch.randn(4096, device="cuda")
     first = _gpu_run(a, sa, qb, sb, alpha, torch.bfloat16, bias)
@@ -519,3 +602,38 @@ def test_gpu_auto_selection_at_large_m():
         torch.ops.scaledmm.nvfp4_mm(a, qb, sa, sb, alpha)
     if expect:
         assert calls[-1][1] == expect, (calls, p)
+
+
+@requires_cuda
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("w4a16", [False, True], ids=["w4a4", "w4a16"])
+def test_gpu_cublaslt_switch_on_and_off(monkeypatch, out_dtype, w4a16):
+    """Both paths against float64; 16-bit outputs within one output ulp of each other
+    (plus both paths' fp32 accumulation error, which exceeds an ulp only where the sum
+    cancels) (W4A4 with an fp16 output decodes to fp16 on the cuBLASLt path)."""
+    assert cublaslt.available(torch.device("cuda"))[0]
+    a, sa, qb, sb, alpha = _gpu_operands(1023, 6144, 4096, w4a16=w4a16)
+    bias = torch.randn(6144, device="cuda").to(out_dtype)
+    real, calls, outs = cublaslt.gemm_alpha_dev, [], {}
+
+    def spy(*args):
+        out = real(*args)
+        calls.append(out.shape)
+        return out
+
+    monkeypatch.setattr(cublaslt, "gemm_alpha_dev", spy)
+    for value in ("1", "0"):
+        monkeypatch.setenv(env.NVFP4_CUBLASLT, value)
+        calls.clear()
+        outs[value] = _gpu_run(a, sa, qb, sb, alpha, out_dtype, bias)
+        # W4A16 with bf16 activations and an fp16 output: no cuBLASLt algorithm, the two-step path
+        lt = value == "1" and not (w4a16 and out_dtype == torch.float16)
+        assert calls == ([(1023, 6144)] if lt else []), calls
+        _gpu_check(outs[value], a, sa, qb, sb, alpha, bias)
+    if out_dtype != torch.float32:  # one ulp apart, where the two fp32 sums (other orders) round alike
+        on, off = outs["1"].double(), outs["0"].double()
+        xd = (a if sa is None else nv.dequantize(a, sa)).double()
+        absum = (xd.abs() @ nv.dequantize(qb, sb).double().abs().t()) * float(alpha) + bias.double().abs()
+        ulp = 2 * OUT_EPS[out_dtype] * (torch.maximum(on.abs(), off.abs()) + torch.finfo(out_dtype).tiny)
+        assert ((on - off).abs() <= ulp + 2 * absum * 4096 * 2.0 ** -24).all()
+        assert ((on - off).abs() <= ulp).float().mean() > 0.999  # almost everywhere within one ulp

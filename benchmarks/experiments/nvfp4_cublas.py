@@ -1,6 +1,7 @@
-"""H200 check and timing of the two-pass NVFP4 backend ``decode_cublas``
-(ops/nvfp4_cublas.py: exact 16-bit decode, cuBLAS fp32-output mm, Triton
-epilogue) against the ``triton`` backend's default and bf16 ``F.linear``.
+"""H200 check and timing of the NVFP4 backend ``decode_cublas``
+(ops/nvfp4_cublas.py: exact 16-bit decode, then cuBLAS fp32-output mm + Triton
+epilogue, or with ``SCALEDMM_NVFP4_CUBLASLT=1`` one cuBLASLt GEMM that reads
+alpha on the device) against the ``triton`` backend's default and bf16 ``F.linear``.
 
     python -m benchmarks.experiments.nvfp4_cublas [--quick]
     TRITON_INTERPRET=1 python -m benchmarks.experiments.nvfp4_cublas --smoke   # CPU dry run, tiny shapes
@@ -14,7 +15,8 @@ Stages:
    fp32 accumulation error (rel < 1e-5: the exactness claim), bf16 outputs
    within one rounding, bias, K = 4112, forced chunking;
 3. the table: llama8b shapes x M in (17, 64, 128, 256, 1024, 4096), W4A4 and
-   W4A16: decode_cublas vs triton default vs bf16 F.linear (bf16 weight);
+   W4A16: decode_cublas (both multiply paths where cuBLASLt loads: ``dc`` /
+   ``lt``) vs triton default vs bf16 F.linear (bf16 weight);
    at M >= 1024 also decode_cublas with 16 / 64 MiB chunks (accumulator
    chunks that may stay in L2 for the epilogue);
 4. where the time goes at M = 4096, 4096x4096: decode W, decode A, mm with
@@ -45,6 +47,7 @@ import torch.nn.functional as F
 
 import scaledmm  # noqa: F401
 from benchmarks import timing
+from scaledmm import cublaslt, env
 from scaledmm.backends import Family, Problem
 from scaledmm.ops import nvfp4 as nv
 from scaledmm.ops import nvfp4_cublas as dc
@@ -60,6 +63,20 @@ T0 = time.perf_counter()
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+@contextlib.contextmanager
+def cublaslt_path(on: bool):
+    """decode_cublas's multiply path for the block: SCALEDMM_NVFP4_CUBLASLT on / off."""
+    old = os.environ.get(env.NVFP4_CUBLASLT)
+    os.environ[env.NVFP4_CUBLASLT] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[env.NVFP4_CUBLASLT]
+        else:
+            os.environ[env.NVFP4_CUBLASLT] = old
 
 
 @contextlib.contextmanager
@@ -208,16 +225,21 @@ def table(cfg: timing.TimingConfig, quick: bool) -> list[dict]:
 
             r = dict(n=n, k=k, m=m)
             r["bf16"] = t(lambda w: lambda: F.linear(x, w), bf)
-            r["dc"] = t(lambda c: lambda: dc.mm(qa, c[0], sa, c[1], c[2]))
+            with cublaslt_path(False):
+                r["dc"] = t(lambda c: lambda: dc.mm(qa, c[0], sa, c[1], c[2]))
+                r["dc16"] = t(lambda c: lambda: dc.w4a16_mm(x, c[0], c[1], c[3]))
+            if cublaslt.available(dev)[0]:
+                with cublaslt_path(True):
+                    r["lt"] = t(lambda c: lambda: dc.mm(qa, c[0], sa, c[1], c[2]))
+                    r["lt16"] = t(lambda c: lambda: dc.w4a16_mm(x, c[0], c[1], c[3]))
             r["triton"] = t(lambda c: lambda: tr.mm(qa, c[0], sa, c[1], c[2]))
-            r["dc16"] = t(lambda c: lambda: dc.w4a16_mm(x, c[0], c[1], c[3]))
             r["triton16"] = t(lambda c: lambda: tr.w4a16_mm(x, c[0], c[1], c[3]))
             if m >= 1024 and not quick:
                 for nb in CHUNK_VARIANTS:
-                    with chunk_bytes(nb):
+                    with chunk_bytes(nb), cublaslt_path(False):
                         r[f"dc_chunk{nb >> 20}"] = t(lambda c: lambda: dc.mm(qa, c[0], sa, c[1], c[2]))
             rows.append(r)
-            extra = " ".join(f"{key} {v:.1f}" for key, v in r.items() if key.startswith("dc_chunk"))
+            extra = " ".join(f"{key} {v:.1f}" for key, v in r.items() if key.startswith(("dc_chunk", "lt")))
             log(f"{n}x{k} M={m}: bf16 {r['bf16']:.1f} | W4A4 dc {r['dc']:.1f} triton {r['triton']:.1f} | "
                 f"W4A16 dc {r['dc16']:.1f} triton {r['triton16']:.1f} {extra}")
         del fp4, bf, ops
@@ -253,7 +275,13 @@ def split(cfg: timing.TimingConfig, m=4096, n=4096, k=4096) -> dict:
     s["mm_bf16"] = t([(lambda w: lambda: torch.mm(xd, w.t()))(w) for w in wds])
     s["epilogue"] = t([(lambda a: lambda: dc.epilogue(a, alpha, None, out))(a) for a in accs])
     alphas = [xa * c[2] for c in fp4]
-    s["total"] = t([(lambda c, al: lambda: dc.mm(qa, c[0], sa, c[1], al))(c, al) for c, al in zip(fp4, alphas)])
+    with cublaslt_path(False):
+        s["total"] = t([(lambda c, al: lambda: dc.mm(qa, c[0], sa, c[1], al))(c, al) for c, al in zip(fp4, alphas)])
+    if cublaslt.available(dev)[0]:
+        s["mm_lt"] = t([(lambda w: lambda: cublaslt.gemm_alpha_dev(xd, w, alpha, None, out))(w) for w in wds])
+        with cublaslt_path(True):
+            s["total_lt"] = t([(lambda c, al: lambda: dc.mm(qa, c[0], sa, c[1], al))(c, al)
+                               for c, al in zip(fp4, alphas)])
     log(f"split at M={m} {n}x{k} (us): " + ", ".join(f"{key} {v:.1f}" for key, v in s.items() if key not in ("m", "n", "k")))
     return s
 
@@ -314,7 +342,8 @@ def main() -> None:
     s = res["split"]
     print(f"\nsplit M={s['m']} {s['n']}x{s['k']} (us): decode W {s['decode_w']:.1f}, decode A {s['decode_a']:.1f}, "
           f"mm fp32-out {s['mm_fp32']:.1f} (bf16-out {s['mm_bf16']:.1f}), epilogue {s['epilogue']:.1f}; "
-          f"sum {s['decode_w'] + s['decode_a'] + s['mm_fp32'] + s['epilogue']:.1f}, measured total {s['total']:.1f}")
+          f"sum {s['decode_w'] + s['decode_a'] + s['mm_fp32'] + s['epilogue']:.1f}, measured total {s['total']:.1f}"
+          + (f"; cuBLASLt mm {s['mm_lt']:.1f}, total {s['total_lt']:.1f}" if "mm_lt" in s else ""))
     res["min_m_w4a4"] = suggested_min_m(rows, "dc", "triton")
     res["min_m_w4a16"] = suggested_min_m(rows, "dc16", "triton16")
     fails = sum(not c["ok"] for c in res["correctness"])
