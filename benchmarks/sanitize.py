@@ -143,6 +143,8 @@ CASES: tuple[Case, ...] = (
          "tiles, K split over a 2-CTA cluster", "M100 N200 K768", csrc=True),
     Case("nvfp4_wgmma_w4a16", "nvfp4_w4a16_mm cuda_wgmma, bf16 activation, one 64-row tile, one warpgroup",
          "M40 N200 K768, strided x", csrc=True),
+    Case("nvfp4_wgmma_pwg", "nvfp4_mm cuda_wgmma, one 256-row tile over two warpgroups, a producer warpgroup "
+         "handing them its registers (setmaxnreg), K split over a 2-CTA cluster", "M100 N200 K768", csrc=True),
     Case("fp8_wgmma_split", "fp8_scaled_mm cuda_wgmma (csrc/fp8_wgmma.cu: TMA ring, producer warp, e4m3 wgmma), "
          "two 64-row tiles, one warpgroup, K split over a 2-CTA cluster", "M100 N208 K1040", csrc=True),
     Case("fp8_wgmma_two_wg", "fp8_scaled_mm cuda_wgmma, two 64-row tiles, two warpgroups (two k32 groups a stage)",
@@ -152,6 +154,8 @@ CASES: tuple[Case, ...] = (
          "M100 N208 K1040", csrc=True),
     Case("fp8_wgmma_block_two_wg", "fp8_block_mm cuda_wgmma, two warpgroups, fresh fragments, row-major scales",
          "M100 N208 K1040", csrc=True),
+    Case("fp8_wgmma_block_pwg", "fp8_block_mm cuda_wgmma, 128 x 128 tile: a producer warpgroup hands registers "
+         "to two consumer warpgroups (setmaxnreg), K split over a 2-CTA cluster", "M100 N208 K1040", csrc=True),
     Case("fp8_wgmma_linear", "fp8_block_linear cuda_wgmma (G_QUANT: bf16 rows by TMA, quantized by the consumers "
          "into the swizzled e4m3 slot, async-proxy fence, named barrier), one warpgroup, K split over 2 CTAs",
          "M100 N208 K1152", csrc=True),

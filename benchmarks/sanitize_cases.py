@@ -415,11 +415,13 @@ def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, rows: int | None = None, backend: str
     return close(out, ref, 1e-2, first)
 
 
-def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool):
+def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool, pwg: bool = False):
     """cuda_wgmma (csrc/nvfp4_wgmma.cu: TMA ring, producer warp, wgmma): W4A4
-    at M = 100 in two 64-row tiles with K split over a 2-CTA cluster, or
-    W4A16 with a strided bf16 activation at M = 40 in one 32-row-padded tile
-    (N = 200: a partial weight tile; rows past M and N arrive as TMA zeros)."""
+    at M = 100 in two 64-row tiles with K split over a 2-CTA cluster (``pwg``:
+    one 256-row tile, two warpgroups fed by a producer warpgroup that gives
+    them its registers), or W4A16 with a strided bf16 activation at M = 40 in
+    one 32-row-padded tile (N = 200: a partial weight tile; rows past M and N
+    arrive as TMA zeros)."""
     import torch
 
     from scaledmm.ops import nvfp4 as nv
@@ -443,7 +445,7 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool):
     alpha = (1.0 / (ga * gb)).float()
     a_d, sa_d, al_d = qa.to(ctx.dev), sa.to(ctx.dev), alpha.to(ctx.dev)
     need_backend("nvfp4", "cuda_wgmma", nv.mm_problem(a_d, qb_d, torch.bfloat16, None))
-    cfg = wg.WgmmaConfig(64, 2, 4, 2)
+    cfg = wg.WgmmaConfig(256, 2, 4, 2, 1) if pwg else wg.WgmmaConfig(64, 2, 4, 2)
     first, out = ctx.twice(lambda: wg.launch(nd.dequant(a_d, sa_d, torch.float16, permute_k=True), qb_d, sb_d, al_d, None,
                                              nv.mm_output(a_d, qb_d, torch.bfloat16), cfg))
     ref = (nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t()) * float(alpha)
@@ -486,14 +488,16 @@ def case_fp8_wgmma(ctx: Ctx, split: bool, warpgroups: int = 1):
     return close(out, ref + bias.double(), 1e-2, first)
 
 
-def case_fp8_wgmma_block(ctx: Ctx, chain: int):
+def case_fp8_wgmma_block(ctx: Ctx, chain: int | str):
     """cuda_wgmma of fp8_block (csrc/fp8_wgmma.cu with G_BLOCK: the producer
     warp's cp.async scale copies arriving on the stage barrier, block scales
     at each promotion): M = 100 in two 64-row tiles with column-major
     activation scales; ``chain`` 4: one warpgroup, the stage's four k32 steps
     chained, K split over a 2-CTA cluster; ``chain`` 1: two warpgroups, two
-    groups of two fresh fragments, row-major scales.  N = 208 leaves a
-    partial weight tile and scale block, K = 1040 a 16-wide tail stage."""
+    groups of two fresh fragments, row-major scales; ``"pwg"``: one 128 x 128
+    tile (weight rows past N = 208 zero), chained, a producer warpgroup
+    (setmaxnreg), K split over a 2-CTA cluster.  N = 208 leaves a partial
+    weight tile and scale block, K = 1040 a 16-wide tail stage."""
     import torch
 
     from scaledmm.ops import fp8_block as fb
@@ -505,9 +509,10 @@ def case_fp8_wgmma_block(ctx: Ctx, chain: int):
     sa, sb = ctx.rand(m, 9), ctx.rand(2, 9)
     ref = fb.reference_mm_f32(a, b, sa, sb, (128, 128)).double()
     a_d, b_d, sb_d = a.to(ctx.dev), b.to(ctx.dev), sb.to(ctx.dev)
-    sa_d = sa.to(ctx.dev).t().contiguous().t() if chain == 4 else sa.to(ctx.dev)
-    need_backend("fp8_block", "cuda_wgmma", fb.problem(a_d, b_d, (128, 128), torch.bfloat16, chain == 4))
-    cfg = fw.WgmmaConfig(64, 1, 4, 2, 4) if chain == 4 else fw.WgmmaConfig(64, 2, 4, 1, 1)
+    sa_d = sa.to(ctx.dev).t().contiguous().t() if chain != 1 else sa.to(ctx.dev)
+    need_backend("fp8_block", "cuda_wgmma", fb.problem(a_d, b_d, (128, 128), torch.bfloat16, chain != 1))
+    cfg = {4: fw.WgmmaConfig(64, 1, 4, 2, 4), 1: fw.WgmmaConfig(64, 2, 4, 1, 1),
+           "pwg": fw.WgmmaConfig(128, 2, 3, 2, 4, 1)}[chain]
     first, out = ctx.twice(lambda: fw.block_mm(a_d, b_d, sa_d, sb_d, (128, 128), torch.bfloat16, cfg=cfg))
     return close(out, ref, 1e-2, first)
 
@@ -705,6 +710,7 @@ CHILD_CASES = {
     "nvfp4_mid_ring": case_nvfp4_mid_ring,
     "nvfp4_wgmma_w4a4": lambda ctx: case_nvfp4_wgmma(ctx, False),
     "nvfp4_wgmma_w4a16": lambda ctx: case_nvfp4_wgmma(ctx, True),
+    "nvfp4_wgmma_pwg": lambda ctx: case_nvfp4_wgmma(ctx, False, True),
     "nvfp4_decode_cublas": case_nvfp4_decode_cublas,
     "nvfp4_decode_cublaslt": case_nvfp4_decode_cublas,
     "fp8_wgmma_split": lambda ctx: case_fp8_wgmma(ctx, True),
@@ -712,6 +718,7 @@ CHILD_CASES = {
     "fp8_wgmma_two_wg": lambda ctx: case_fp8_wgmma(ctx, True, 2),
     "fp8_wgmma_block_chain": lambda ctx: case_fp8_wgmma_block(ctx, 4),
     "fp8_wgmma_block_two_wg": lambda ctx: case_fp8_wgmma_block(ctx, 1),
+    "fp8_wgmma_block_pwg": lambda ctx: case_fp8_wgmma_block(ctx, "pwg"),
     "fp8_wgmma_linear": lambda ctx: case_fp8_wgmma_linear(ctx, 1),
     "fp8_wgmma_linear_two_wg": lambda ctx: case_fp8_wgmma_linear(ctx, 2),
     "fp8_tri_quant": case_fp8_quant,

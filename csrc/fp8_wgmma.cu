@@ -28,6 +28,10 @@
 //   G_QUANT      with G_BLOCK, 1: fp8_block_linear: the activation comes as
 //                bf16 / fp16 (G_IN 0 / 1) and is quantized per 1 x 128 group
 //                in the kernel (K % 128 == 0)
+//   G_PWG        1 (with G_WG 2, not G_QUANT): the producer is a whole
+//                warpgroup that hands registers to the consumers
+//                (setmaxnreg: 40 / 232 instead of 168 for all), so a 128 x 128
+//                tile with two fp32 fragments a thread fits: the large-M tile
 //
 // Design:
 //  * Swap AB: weight rows are the MMA's M (64 per warpgroup whatever the
@@ -79,6 +83,13 @@
 //    shared memory, rank 0 adds ranks 1.. in order.  Deterministic, no
 //    workspace, no atomics, CUDA-graph safe (the tensor maps are kernel
 //    parameters, captured by value).
+//  * G_PWG: nine warps put three on one SM quadrant, so every thread gets at
+//    most 168 registers, too few for two warpgroups of m64n128 fragments
+//    and their accumulators.  With a producer warpgroup (its first warp
+//    loads, the other three only take part in the barriers) the launch
+//    gives 168 to each of 384 threads; after the set-up the producers drop
+//    to 40 and the consumers rise to 232 (the register file: 128 x 40 +
+//    256 x 232 <= 65536).
 //  * Programmatic dependent launch (a no-op without it): after the barrier
 //    set-up every thread waits for the previous grid (griddepcontrol.wait)
 //    before any TMA load or global access, then lets the next grid launch.
@@ -122,6 +133,9 @@
 #ifndef G_IN
 #define G_IN 0
 #endif
+#ifndef G_PWG
+#define G_PWG 0
+#endif
 
 namespace f8w {
 
@@ -136,7 +150,9 @@ constexpr int BN = 64 * WGS;
 constexpr int STAGES = G_ST;
 constexpr int SPLIT = G_SPLIT;
 constexpr int THREADS = 128 * WGS;  // consumer threads
-constexpr int THREADS_ALL = THREADS + 32;  // + the producer warp
+constexpr int THREADS_ALL = THREADS + (G_PWG ? 128 : 32);  // + the producer warp (warpgroup with G_PWG)
+constexpr int PRODUCER_REGS = 40;  // G_PWG: setmaxnreg counts (multiples of 8; 128 x 40 + 256 x 232 <= 65536)
+constexpr int CONSUMER_REGS = 232;
 constexpr int KB = 128;  // K per stage: one 128-byte swizzle row of e4m3
 constexpr int NKB = (K + KB - 1) / KB;
 constexpr int ACC = BT / 2;  // fp32 accumulators per thread (m64 x BT over 128 threads)
@@ -175,6 +191,8 @@ static_assert(G_BLOCK == 0 || G_BLOCK == 1, "G_BLOCK must be 0 or 1");
 static_assert(G_BLOCK == 0 || G_QUANT == 1 || G_BIAS == 0, "the block-scaled GEMM adds no bias");
 static_assert(G_QUANT == 0 || (G_BLOCK == 1 && K % KB == 0), "G_QUANT needs G_BLOCK and K % 128 == 0");
 static_assert(G_IN == 0 || G_IN == 1, "G_IN must be 0 (bf16) or 1 (fp16)");
+static_assert(G_PWG == 0 || (G_PWG == 1 && WGS == 2 && G_QUANT == 0), "G_PWG 1 needs G_WG 2 and no G_QUANT");
+static_assert(128 * PRODUCER_REGS + THREADS * CONSUMER_REGS <= 65536, "setmaxnreg counts exceed the register file");
 constexpr float FP8_MAX = 448.0f;
 constexpr float GROUP_EPS = 1e-10f;  // per_token_group_quant_fp8's eps in fp8_block_linear
 
@@ -320,7 +338,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 a_desc, u64 b_desc)
 #define G_CLUSTER
 #endif
 
-// grid (ceil(m / BT), ceil(N / BN), SPLIT), block 128 * WG + 32, dynamic
+// grid (ceil(m / BT), ceil(N / BN), SPLIT), block 128 * WG + 32 (G_PWG: + 128), dynamic
 // shared memory f8w::SMEM_BYTES, clusters of (1, 1, SPLIT).  tmap_a: the
 // activation [m, K] (bytes, box 128 x BT, 128-byte swizzle); tmap_b: the
 // weight [N, K] (bytes, box 128 x BN, 128-byte swizzle); both zero-fill past
@@ -346,7 +364,13 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
+#if G_PWG
+  const bool producer = tid >= THREADS;  // the warpgroup after the consumer warpgroups
+  const bool loader = (tid >> 5) == 4 * WGS;  // its first warp loads
+#else
   const bool producer = (tid >> 5) == 4 * WGS;  // the warp after the consumer warpgroups
+  constexpr bool loader = true;
+#endif
   const int m0 = blockIdx.x * BT;
   const int n0 = blockIdx.y * BN;
 
@@ -363,12 +387,20 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
   __syncthreads();
 #endif
 
+  // With G_PWG the producers return after their loop (their 40 registers
+  // must not hold the accumulators) and the consumers' branch follows it;
+  // without, the two are one if / else (the SASS of the measured configs).
+#if G_PWG
+  if (producer) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+#else
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
 
   if (producer) {
-    if ((G_BLOCK && !G_QUANT) || lane == 0) {
+#endif
+    if (loader && ((G_BLOCK && !G_QUANT) || lane == 0)) {
       for (int i = 0; i < nk; ++i) {
         const int slot = i % STAGES;
         mbar_wait(bars + 8 * (STAGES + slot), ((i / STAGES) & 1) ^ 1);  // the slot's last readers are done
@@ -391,7 +423,20 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
       }
     }
     __syncwarp();
+#if G_PWG
+#if G_SPLIT > 1
+    cluster_reduce_idle();  // the split-K reduction's CTA and cluster barriers
+#endif
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+  float acc[ACC];
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+  {
+#else
   } else {
+#endif
     const int wgi = tid >> 7;
     const u64 a_desc0 = smem_desc(smem0 + X_BYTES + wgi * 64 * 128);  // this warpgroup's 64 weight rows
     const u64 b_desc0 = smem_desc(smem0);
@@ -453,9 +498,11 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
   }
 
 #if G_SPLIT > 1
-  if (!cluster_reduce<ACC, THREADS, SPLIT>(acc, smem0, tid, !producer)) return;
+  if (!cluster_reduce<ACC, THREADS, SPLIT>(acc, smem0, tid, G_PWG || !producer)) return;
 #endif
+#if !G_PWG
   if (producer) return;
+#endif
 
   // D fragment of m64nBT: thread (warp, g, t4) holds weight rows 16 warp + g
   // (+ 8) and activation rows 8 c + 2 t4 (+ 1), c < BT / 8.

@@ -12,10 +12,14 @@
 // run time with NVRTC; one cubin per (N, K, config):
 //
 //   W_N, W_K     problem size (K % 64 == 0; any N >= 1)
-//   W_BT         activation rows per CTA: the wgmma N (32, 64, 128)
+//   W_BT         activation rows per CTA: the wgmma N (32, 64, 128, 256)
 //   W_WG         consumer warpgroups (1 or 2): the CTA owns BN = 64 W_WG
 //                weight rows, 64 per warpgroup (the wgmma M)
 //   W_ST         pipeline stages of 64 K (4 .. 8)
+//   W_PWG        1 (with W_WG 2): the producer is a whole warpgroup that
+//                hands registers to the consumers (setmaxnreg 40 / 232
+//                instead of 168 for all nine warps), so two warpgroups of
+//                256-row tiles (128 accumulators each) fit
 //   W_SPLIT      CTAs per cluster along K (1, 2, 4); partial tiles added
 //                through distributed shared memory in rank order
 //   W_ACT        1: fp16 operands, 2: bf16 operands
@@ -23,7 +27,7 @@
 //
 // Design:
 //  * Swap AB: weight rows are the MMA's M (64 rows per warpgroup whatever
-//    the batch), activation rows its N (32-128 per CTA).  A from registers
+//    the batch), activation rows its N (32-256 per CTA).  A from registers
 //    lets the decode sit between the load and the MMA without a trip through
 //    shared memory.
 //  * One producer warp (one lane) fills a ring of W_ST stages with TMA: the
@@ -86,6 +90,9 @@
 #ifndef W_BIAS
 #define W_BIAS 0
 #endif
+#ifndef W_PWG
+#define W_PWG 0
+#endif
 
 // Experiments only (benchmarks/experiments/nvfp4_wgmma.py): 1 feeds the raw
 // weight words to the MMA (no decode), 2 decodes but issues no MMA.
@@ -113,8 +120,12 @@ constexpr int STAGES = W_ST;
 constexpr int SPLIT = W_SPLIT;
 constexpr int THREADS = 128 * WGS;     // consumer threads
 // + the producer warp.  (Warps are pinned to SM quadrants: nine warps put
-// three on one, which caps every thread at 168 registers: no 256-row tile.)
-constexpr int THREADS_ALL = THREADS + 32;
+// three on one, which caps every thread at 168 registers: too few for two
+// warpgroups of 256-row tiles; W_PWG makes the producer a warpgroup that
+// gives its registers to the consumers.)
+constexpr int THREADS_ALL = THREADS + (W_PWG ? 128 : 32);
+constexpr int PRODUCER_REGS = 40;  // W_PWG: setmaxnreg counts (128 x 40 + 256 x 232 <= 65536)
+constexpr int CONSUMER_REGS = 232;
 static_assert(THREADS_ALL % 32 == 0, "whole warps");
 constexpr int KB = 64;              // K per stage: one 128-byte swizzle row of 16-bit activation
 constexpr int NKB = K / KB;
@@ -132,7 +143,8 @@ static_assert(SMEM_BYTES <= 227 * 1024, "the stages (or the split-K tile) exceed
 constexpr float DECODE_POW = W_ACT == 2 ? 128.0f : 16384.0f;
 
 static_assert(K % KB == 0, "K must be a multiple of 64");
-static_assert(BT == 32 || BT == 64 || BT == 128, "W_BT must be 32, 64 or 128");
+static_assert(BT == 32 || BT == 64 || BT == 128 || BT == 256, "W_BT must be 32, 64, 128 or 256");
+static_assert(W_PWG == 0 || (W_PWG == 1 && WGS == 2), "W_PWG 1 needs W_WG 2");
 static_assert(WGS == 1 || WGS == 2, "W_WG must be 1 or 2");
 static_assert(STAGES >= 4 && STAGES <= 8, "W_ST must be 4..8");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "W_SPLIT must be 1, 2 or 4");
@@ -187,6 +199,40 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 
                  "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
                  "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
                  "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+__device__ __forceinline__ void wgmma_rs(float (&d)[128], const u32 (&a)[4], u64 desc) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, 1, 0;\n\t"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32." W_TYPE "." W_TYPE " {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+               "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+               "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+               "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+               "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+               "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+               "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+               "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n\t}"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+                 "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+                 "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+                 "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                 "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),
+                 "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+                 "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+                 "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+                 "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]),
+                 "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+                 "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]),
+                 "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+                 "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]),
+                 "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]),
+                 "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]),
+                 "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+                 "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]),
+                 "+f"(d[127])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
@@ -277,7 +323,7 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], const u32 (&a)[4][4
 #define W_CLUSTER
 #endif
 
-// grid (ceil(m / BT), ceil(N / BN), SPLIT), block 128 * WG + 32, dynamic
+// grid (ceil(m / BT), ceil(N / BN), SPLIT), block 128 * WG + 32 (W_PWG: + 128), dynamic
 // shared memory wg::SMEM_BYTES, clusters of (1, 1, SPLIT).  tmap_x: the
 // activation [m, K] (16-bit, box 64 x BT, 128-byte swizzle); tmap_w: the
 // packed weight [N, K / 2] (bytes, box 32 x BN, 32-byte swizzle); both
@@ -295,7 +341,11 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp_all = tid >> 5;
+#if W_PWG
+  const bool producer = tid >= THREADS;  // the warpgroup after the consumer warpgroups; its first lane loads
+#else
   const bool producer = warp_all == 4 * WGS;  // the warp after the consumer warpgroups
+#endif
   const int m0 = blockIdx.x * BT;
   const int n0 = blockIdx.y * BN;
 
@@ -303,11 +353,19 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
   const int nk = stage_range<NKB, SPLIT>(kb0);
   ring_init<STAGES>(bars, 4 * WGS);
 
+  // With W_PWG the producers return after their loop (their 40 registers
+  // must not hold the accumulators) and the consumers' branch follows it;
+  // without, the two are one if / else (the SASS of the measured configs).
+#if W_PWG
+  if (producer) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+#else
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
 
   if (producer) {
+#endif
     if (tid == 4 * WGS * 32) {
       const int atom0 = (n0 >> 7) * NKB + kb0;  // the stage's 512-byte scale atom: rows 2a, 2a + 1 of tmap_s
       for (int i = 0; i < nk; ++i) {
@@ -321,7 +379,20 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
       }
     }
     __syncwarp();
+#if W_PWG
+#if W_SPLIT > 1
+    cluster_reduce_idle();  // the split-K reduction's CTA and cluster barriers
+#endif
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+  float acc[ACC];
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+  {
+#else
   } else {
+#endif
     const int g = lane >> 2;
     const int t4 = lane & 3;
     const int wgi = tid >> 7;
@@ -371,9 +442,11 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
   }
 
 #if W_SPLIT > 1
-  if (!cluster_reduce<ACC, THREADS, SPLIT>(acc, smem0, tid, !producer)) return;
+  if (!cluster_reduce<ACC, THREADS, SPLIT>(acc, smem0, tid, W_PWG || !producer)) return;
 #endif
+#if !W_PWG
   if (producer) return;
+#endif
 
   const int g = lane >> 2;
   const int t4 = lane & 3;

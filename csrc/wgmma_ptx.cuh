@@ -121,4 +121,12 @@ __device__ __forceinline__ bool cluster_reduce(float (&acc)[ACC], u32 smem, int 
   return rank == 0;
 }
 
+// cluster_reduce's barriers for a thread without accumulators (a producer
+// warp that returns early): the same CTA barrier and two cluster barriers.
+__device__ __forceinline__ void cluster_reduce_idle() {
+  __syncthreads();
+  cluster_sync();
+  cluster_sync();
+}
+
 }  // namespace wg_ptx

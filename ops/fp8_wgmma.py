@@ -20,8 +20,11 @@ per-tensor / row / column scales and bias are applied once in the epilogue
 with one rounding; block scales at each stage's promotion (the producer warp
 copies each stage's activation scales, any strides).  Split K over the CTAs
 of a cluster (DSMEM, rank order): deterministic, no workspace, CUDA-graph
-safe.  Where it runs instead of cuBLAS, CUTLASS or the Triton GEMMs is
-measured (``scaledmm/tuning/fp8_sm90.json``, ``fp8_block_sm90.json``);
+safe.  Two warpgroups of 128-row tiles with the block scales need more
+registers than nine warps leave a thread: ``producer_wg`` makes the
+producer a warpgroup that hands its registers to the consumers (the
+large-M tile; no measured table row uses it yet).  Where it runs instead of
+cuBLAS, CUTLASS or the Triton GEMMs is measured (``scaledmm/tuning/fp8_sm90.json``, ``fp8_block_sm90.json``);
 ``fp8_linear`` / ``fp8_block_linear`` reach it through their composites
 (quantize, then the GEMM).  :func:`block_linear` runs ``fp8_block_linear`` in
 one launch (the bf16 / fp16 activation by TMA, each stage's 1 x 128 groups
@@ -74,6 +77,9 @@ TILES = (16, 32, 64, 128)
 # Registers per thread: nine warps put three on one SM quadrant (16384 / 96,
 # rounded down to 8); five warps leave the instruction's limit.
 REG_LIMIT = {1: 255, 2: 168}
+# With a producer warpgroup (``producer_wg``) the consumers raise theirs with
+# setmaxnreg to this (the kernel's CONSUMER_REGS).
+PWG_REG_LIMIT = 232
 SMEM_MAX = 227 * 1024
 
 # ----------------------------------------------------------------------------
@@ -155,6 +161,10 @@ class WgmmaConfig:
     chain : int
         k32 steps summed inside the tensor core per fp32 promotion: 1 (each
         step a fresh fragment) or 4 (one promotion per 128-K stage).
+    producer_wg : int
+        1 (two warpgroups only): the producer is a warpgroup that hands its
+        registers to the consumers (setmaxnreg; :data:`PWG_REG_LIMIT` each),
+        so the 128 x 128 tile of large M fits; 0: one producer warp.
     """
 
     tile_m: int = 64
@@ -162,13 +172,19 @@ class WgmmaConfig:
     stages: int = 6
     split_k: int = 1
     chain: int = 1
+    producer_wg: int = 0
 
     def rows(self) -> int:
         return 64 * self.warpgroups
 
     def threads(self) -> int:
-        """The consumer warpgroups and the producer warp."""
-        return 128 * self.warpgroups + 32
+        """The consumer warpgroups and the producer warp (warpgroup)."""
+        return 128 * self.warpgroups + (128 if self.producer_wg else 32)
+
+    def register_limit(self) -> int:
+        """Registers a consumer thread may hold: the launch's share of the
+        register file, or what setmaxnreg gives it with ``producer_wg``."""
+        return PWG_REG_LIMIT if self.producer_wg else REG_LIMIT.get(self.warpgroups, 0)
 
     def fragments(self) -> int:
         """Fragments in flight together (the kernel's FR): one per k32 step
@@ -211,12 +227,15 @@ class WgmmaConfig:
         d = {"G_N": n, "G_K": k, "G_BT": self.tile_m, "G_WG": self.warpgroups, "G_ST": self.stages,
              "G_SPLIT": self.split_k, "G_CHAIN": self.chain, "G_BLOCK": int(block),
              "G_OUT": OUT_CODES[out_dtype], "G_BIAS": BIAS_CODES[bias_dtype]}
+        if self.producer_wg:
+            d["G_PWG"] = 1
         if in_dtype is not None:
             d.update(G_QUANT=1, G_IN=IN_CODES[in_dtype])
         return d
 
     def short(self) -> str:
-        return f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}" + ("c4" if self.chain == 4 else "")
+        return (f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}" + ("c4" if self.chain == 4 else "")
+                + ("p" if self.producer_wg else ""))
 
 
 def config_valid(cfg: WgmmaConfig, n: int, k: int, block: bool = False, quant: bool = False) -> tuple[bool, str]:
@@ -238,12 +257,17 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int, block: bool = False, quant: b
         return False, f"split_k must be 1, 2 or 4, got {cfg.split_k}"
     if cfg.chain not in (1, 4):
         return False, f"chain must be 1 or 4, got {cfg.chain}"
+    if cfg.producer_wg not in (0, 1):
+        return False, f"producer_wg must be 0 or 1, got {cfg.producer_wg}"
+    if cfg.producer_wg and (cfg.warpgroups != 2 or quant):
+        return False, (f"producer_wg needs two consumer warpgroups and a kernel that does not quantize, got "
+                       f"warpgroups={cfg.warpgroups}, quant={quant}")
     if quant and k % KB:
         return False, f"quantizing in the kernel needs K % {KB} == 0 (whole 1 x {KB} groups), got K={k}"
     nkb = -(-k // KB)
     if (cfg.split_k - 1) * -(-nkb // cfg.split_k) >= nkb:
         return False, f"split_k {cfg.split_k} leaves a cluster rank without any of the {nkb} K stages"
-    limit = REG_LIMIT[cfg.warpgroups]
+    limit = cfg.register_limit()
     if cfg.registers(block or quant, quant) > limit:
         return False, (f"about {cfg.registers(block or quant, quant)} registers per thread, over the limit {limit} "
                        f"of {cfg.threads()} threads")
@@ -308,6 +332,8 @@ def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block: bo
     if cfg is None or not config_valid(cfg, n, k, block or quant)[0]:
         cfg = default_config(n, k, m, num_sms, block or quant)
     if quant:
+        if cfg.producer_wg:  # the quantizing kernel keeps one producer warp
+            cfg = default_config(n, k, m, num_sms, True)
         fits = [c for c in (dataclasses.replace(cfg, stages=s) for s in range(cfg.stages, 1, -1))
                 if config_valid(c, n, k, True, True)[0]]
         if not fits:
@@ -319,13 +345,14 @@ def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block: bo
 def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block: bool = False,
                       quant: bool = False) -> list[WgmmaConfig]:
     """The benchmark's sweep: the chosen config first, then every valid
-    tile x warpgroups x stages x split x chain point with one of two tiles:
-    the two smallest that cover M, or the largest two where at most one does."""
+    tile x warpgroups x stages x split x chain (x producer warpgroup, with
+    two warpgroups) point with one of two tiles: the two smallest that cover
+    M, or the largest two where at most one does."""
     first = choose_config(n, k, m, num_sms, block, quant)
     covering = [t for t in TILES if t >= m][:2]
     covering = covering if len(covering) == 2 else list(TILES[-2:])
-    found = [WgmmaConfig(t, g, s, sk, c) for c in (1, 4) for t in covering for g in (2, 1) for s in (4, 6, 8)
-             for sk in (1, 2, 4)]
+    found = [WgmmaConfig(t, g, s, sk, c, p) for c in (1, 4) for t in covering for g in (2, 1) for s in (4, 6, 8)
+             for sk in (1, 2, 4) for p in ((0, 1) if g == 2 and t == 128 else (0,))]
     return [first, *[c for c in found if c != first and config_valid(c, n, k, block or quant, quant)[0]]]
 
 

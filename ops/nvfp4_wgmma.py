@@ -8,8 +8,10 @@ The FP4 weight is decoded in registers (exact: an e2m1 code times its e4m3
 scale fits fp16 and bf16) and fed to ``wgmma`` as the register operand; the
 16-bit activation is the shared-memory operand, brought by TMA a few 64-wide
 K stages ahead.  Weight rows are the MMA's M side (64 per warpgroup),
-activation rows its N side (32-128 per CTA), so one kernel serves M from a
-few tens to thousands.  Each thread decodes contiguous weight bytes; the
+activation rows its N side (32-256 per CTA), so one kernel serves M from a
+few tens to thousands (256-row tiles with two warpgroups take a producer
+warpgroup that hands them its registers: ``producer_wg``; no measured table
+row uses them yet).  Each thread decodes contiguous weight bytes; the
 activation's K runs in the matching order inside every 64 (:func:`permute_k`,
 a copy per call for W4A16).  W4A4 decodes the activation once per call to
 fp16, exactly and already in that order
@@ -59,7 +61,11 @@ OUT_DTYPES = gv.OUT_DTYPES
 W4A4_ACT = torch.float16  # the activation decode of W4A4 (exact)
 MAX_REGS = 255
 SMEM_MAX = 227 * 1024
-TILES = (32, 64, 128)
+TILES = (32, 64, 128, 256)
+# Registers a thread gets when nine warps share the SM (three on one quadrant),
+# and what setmaxnreg gives the consumers with a producer warpgroup.
+REG_LIMIT_9_WARPS = 168
+PWG_REG_LIMIT = 232
 
 # ----------------------------------------------------------------------------
 # Capability checks
@@ -106,26 +112,39 @@ class WgmmaConfig:
     Parameters
     ----------
     tile_m : int
-        Activation rows per CTA, the wgmma N (32, 64, 128).
+        Activation rows per CTA, the wgmma N (32, 64, 128, 256).
     warpgroups : int
         Consumer warpgroups (1 or 2); the CTA owns ``64 * warpgroups`` weight rows.
     stages : int
         TMA ring stages of 64 K (4-8); the producer runs up to ``stages - 1`` ahead.
     split_k : int
         CTAs per cluster splitting K (1, 2, 4); partial tiles added through DSMEM.
+    producer_wg : int
+        1 (two warpgroups only): the producer is a warpgroup that hands its
+        registers to the consumers (setmaxnreg; :data:`PWG_REG_LIMIT`
+        each), so two warpgroups of 256-row tiles fit; 0: one producer warp.
     """
 
     tile_m: int = 128
     warpgroups: int = 2
     stages: int = 4
     split_k: int = 1
+    producer_wg: int = 0
 
     def rows(self) -> int:
         return 64 * self.warpgroups
 
     def threads(self) -> int:
-        """The consumer warpgroups and the producer warp."""
-        return 128 * self.warpgroups + 32
+        """The consumer warpgroups and the producer warp (warpgroup)."""
+        return 128 * self.warpgroups + (128 if self.producer_wg else 32)
+
+    def register_limit(self) -> int:
+        """Registers a consumer thread may hold: the instruction's limit with
+        one warpgroup, the per-quadrant share of nine warps with two, what
+        setmaxnreg gives with ``producer_wg``."""
+        if self.producer_wg:
+            return PWG_REG_LIMIT
+        return MAX_REGS if self.warpgroups == 1 else REG_LIMIT_9_WARPS
 
     def registers(self) -> int:
         """Estimated registers per thread (accumulators, two A fragment sets,
@@ -150,12 +169,15 @@ class WgmmaConfig:
 
     def defines(self, n: int, k: int, out_dtype: torch.dtype, bias_dtype: torch.dtype | None,
                 act_dtype: torch.dtype) -> dict[str, int]:
-        return {"W_N": n, "W_K": k, "W_BT": self.tile_m, "W_WG": self.warpgroups, "W_ST": self.stages,
-                "W_SPLIT": self.split_k, "W_ACT": gv.ACT_CODES[act_dtype],
-                "W_OUT_F16": int(out_dtype == torch.float16), "W_BIAS": gv.BIAS_CODES[bias_dtype]}
+        d = {"W_N": n, "W_K": k, "W_BT": self.tile_m, "W_WG": self.warpgroups, "W_ST": self.stages,
+             "W_SPLIT": self.split_k, "W_ACT": gv.ACT_CODES[act_dtype],
+             "W_OUT_F16": int(out_dtype == torch.float16), "W_BIAS": gv.BIAS_CODES[bias_dtype]}
+        if self.producer_wg:
+            d["W_PWG"] = 1
+        return d
 
     def short(self) -> str:
-        return f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}"
+        return f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}" + ("p" if self.producer_wg else "")
 
 
 def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
@@ -173,10 +195,15 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
         return False, f"stages must be 4..8, got {cfg.stages}"
     if cfg.split_k not in (1, 2, 4):
         return False, f"split_k must be 1, 2 or 4, got {cfg.split_k}"
+    if cfg.producer_wg not in (0, 1):
+        return False, f"producer_wg must be 0 or 1, got {cfg.producer_wg}"
+    if cfg.producer_wg and cfg.warpgroups != 2:
+        return False, f"producer_wg needs two consumer warpgroups, got warpgroups={cfg.warpgroups}"
     if (cfg.split_k - 1) * -(-(k // K_MULTIPLE) // cfg.split_k) >= k // K_MULTIPLE:
         return False, f"split_k {cfg.split_k} leaves a cluster rank without any of the {k // K_MULTIPLE} K stages"
-    if cfg.registers() > MAX_REGS:
-        return False, f"about {cfg.registers()} registers per thread, over the limit {MAX_REGS}"
+    if cfg.registers() > cfg.register_limit():
+        return False, (f"about {cfg.registers()} registers per thread, over the limit {cfg.register_limit()} "
+                       f"of {cfg.threads()} threads")
     if cfg.smem_bytes() > SMEM_MAX:
         return False, f"{cfg.smem_bytes()} bytes of shared memory, over {SMEM_MAX}"
     return True, "ok"
@@ -238,11 +265,12 @@ def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> WgmmaC
 
 def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> list[WgmmaConfig]:
     """The benchmark's sweep: the chosen config first, then every valid
-    tile x warpgroups x stages x split point with one of the two largest
-    tiles up to 2 M."""
+    tile x warpgroups x stages x split point (with two warpgroups at tile
+    256 a producer warpgroup too) with one of the two largest tiles up to 2 M."""
     first = choose_config(n, k, m, num_sms)
     tiles = [t for t in TILES if t <= max(32, 2 * m)][-2:]
-    found = [WgmmaConfig(t, g, s, sk) for t in reversed(tiles) for g in (2, 1) for s in (4, 6) for sk in (1, 2, 4)]
+    found = [WgmmaConfig(t, g, s, sk, p) for t in reversed(tiles) for g in (2, 1) for s in (4, 6) for sk in (1, 2, 4)
+             for p in ((0, 1) if g == 2 and t == 256 else (0,))]
     return [first, *[c for c in found if c != first and config_valid(c, n, k)[0]]]
 
 

@@ -83,6 +83,10 @@ def _instances():
     out[(1040, 144, fw.WgmmaConfig(32, 2, 8, 1), BF16, F16, False, None)] = None
     out[(1040, 1040, fw.WgmmaConfig(64, 2, 8, 2, 1), F32, None, True, None)] = None
     out[(1040, 1040, fw.WgmmaConfig(128, 1, 4, 2, 4), F16, None, True, None)] = None
+    # a producer warpgroup that hands registers to the consumers: the large-M tile
+    out[(7168, 16384, fw.WgmmaConfig(128, 2, 6, 1, 4, 1), BF16, None, True, None)] = None
+    out[(1040, 4112, fw.WgmmaConfig(128, 2, 4, 2, 4, 1), F32, None, True, None)] = None
+    out[(4096, 4096, fw.WgmmaConfig(128, 2, 4, 2, 1, 1), F32, BF16, False, None)] = None
     for n, k in LLAMA8B + DSV3:
         for m in (1, 16, 64, 128):
             out[(n, k, fw.choose_config(n, k, m, block=True, quant=True), BF16, None, True, BF16)] = None
@@ -113,12 +117,15 @@ def test_instance_compiles_without_spills(n, k, cfg, out_dtype, bias_dtype, bloc
 def test_every_tile_shape_within_its_estimate(block):
     """The estimate bounds ptxas' count over the space's extremes (the
     predicate that keeps configs under the per-quadrant limit relies on it)."""
-    cfgs = [fw.WgmmaConfig(t, g, 8, 4, c) for t in fw.TILES for g in (1, 2) for c in (1, 4)]
+    cfgs = [fw.WgmmaConfig(t, g, 8, 4, c, p) for t in fw.TILES for g in (1, 2) for c in (1, 4) for p in (0, 1)]
     cfgs = [c for c in cfgs if fw.config_valid(c, 4096, 4096, block)[0]]
-    assert len(cfgs) >= 10
+    assert len(cfgs) >= 10 and any(c.producer_wg for c in cfgs)
     for cfg in cfgs:
         regs = nvrtc_registers(fw.kernel_spec(4096, 4096, cfg, F32, None if block else F32, block))
-        assert regs <= min(cfg.registers(block), fw.REG_LIMIT[cfg.warpgroups]), (cfg, regs)
+        if cfg.producer_wg:  # ptxas reports the launch's 168; no spills (checked) means the consumers fit 232
+            assert regs == fw.REG_LIMIT[2], (cfg, regs)
+        else:
+            assert regs <= min(cfg.registers(block), cfg.register_limit()), (cfg, regs)
 
 
 @nvrtc
@@ -142,6 +149,9 @@ def test_kernel_rejects_bad_defines():
     (fw.WgmmaConfig(tile_m=128, warpgroups=1, stages=8, split_k=1), 64, 128, "ok"),
     (fw.WgmmaConfig(chain=2), 64, 128, "chain"),
     (fw.WgmmaConfig(tile_m=128, warpgroups=2, chain=4), 64, 128, "ok"),
+    (fw.WgmmaConfig(tile_m=128, warpgroups=2, producer_wg=1), 64, 128, "ok"),
+    (fw.WgmmaConfig(tile_m=128, warpgroups=1, producer_wg=1), 64, 128, "two consumer warpgroups"),
+    (fw.WgmmaConfig(producer_wg=2), 64, 128, "producer_wg must be 0 or 1"),
     ("m64", 64, 128, "WgmmaConfig"),
 ])
 def test_config_predicate(cfg, n, k, why):
@@ -153,11 +163,27 @@ def test_config_predicate(cfg, n, k, why):
     (fw.WgmmaConfig(tile_m=128, warpgroups=2, chain=4), "registers"),  # + the stage's 32 scales
     (fw.WgmmaConfig(tile_m=64, warpgroups=2, chain=1), "ok"),
     (fw.WgmmaConfig(tile_m=128, warpgroups=1, chain=4), "ok"),
+    (fw.WgmmaConfig(tile_m=128, warpgroups=2, chain=4, producer_wg=1), "ok"),  # consumers at 232 registers
+    (fw.WgmmaConfig(tile_m=128, warpgroups=2, chain=1, producer_wg=1), "registers"),
 ])
 def test_block_config_predicate(cfg, why):
     ok, reason = fw.config_valid(cfg, 7168, 16384, block=True)
     assert why in reason and ok == (why == "ok"), reason
     assert fw.config_valid(cfg, 7168, 16384)[0]  # the same config without block scales fits
+
+
+def test_producer_warpgroup_is_not_for_the_quantizing_kernel(monkeypatch):
+    pwg = fw.WgmmaConfig(128, 2, 4, 1, 4, 1)
+    ok, why = fw.config_valid(pwg, 7168, 16384, block=True, quant=True)
+    assert not ok and "does not quantize" in why
+    fw.choose_config.cache_clear()
+    monkeypatch.setattr(fw, "tuned", lambda *a: pwg)  # a measured row with a producer warpgroup
+    try:
+        assert fw.choose_config(7168, 16384, 256, block=True) == pwg
+        quant = fw.choose_config(7168, 16384, 256, block=True, quant=True)
+        assert not quant.producer_wg and fw.config_valid(quant, 7168, 16384, True, True)[0]
+    finally:
+        fw.choose_config.cache_clear()
 
 
 @pytest.mark.parametrize("block", [False, True])
@@ -450,7 +476,8 @@ def test_gpu_strided_misaligned_rows_nan_rows_zero_m():
 @requires_sm90
 def test_gpu_deterministic_and_cuda_graph():
     a, b, sa, sb = _operands(64, 4096, 4096)
-    for cfg in (fw.WgmmaConfig(32, 2, 4, 4), fw.WgmmaConfig(64, 1, 4, 4, 4)):  # split K: the rank-order reduction
+    for cfg in (fw.WgmmaConfig(32, 2, 4, 4), fw.WgmmaConfig(64, 1, 4, 4, 4),
+                fw.WgmmaConfig(128, 2, 4, 2, 4, 1)):  # split K: the rank-order reduction
         first = _run(a, b, sa, sb, cfg=cfg)
         assert torch.equal(first, _run(a, b, sa, sb, cfg=cfg)), cfg.short()
     a2, _, sa2, _ = _operands(64, 4096, 4096)

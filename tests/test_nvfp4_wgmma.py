@@ -46,6 +46,11 @@ def _instances():
     out[(1040, 4032, wg.WgmmaConfig(32, 1, 8, 4), BF16, BF16, BF16)] = None
     out[(200, 128, wg.WgmmaConfig(64, 1, 4, 2), F16, F16, F16)] = None
     out[(4096, 4096, wg.WgmmaConfig(128, 1, 6, 2), BF16, None, F16)] = None
+    # 256-row activation tiles: one warpgroup, or two with a producer warpgroup (setmaxnreg)
+    out[(28672, 4096, wg.WgmmaConfig(256, 1, 4, 1), BF16, None, BF16)] = None
+    out[(4096, 4096, wg.WgmmaConfig(256, 1, 6, 2), F16, torch.float32, F16)] = None
+    out[(28672, 4096, wg.WgmmaConfig(256, 2, 4, 1, 1), BF16, None, BF16)] = None
+    out[(4096, 14336, wg.WgmmaConfig(256, 2, 6, 2, 1), F16, BF16, F16)] = None
     return list(out)
 
 
@@ -55,8 +60,11 @@ def _instances():
 def test_instance_compiles_without_spills(n, k, cfg, out_dtype, bias_dtype, act):
     assert wg.config_valid(cfg, n, k) == (True, "ok")
     spec = wg.kernel_spec(n, k, cfg, out_dtype, bias_dtype, act)
-    regs = nvrtc_registers(spec)
-    assert regs <= cfg.registers(), f"estimate {cfg.registers()} below the real {regs} registers"
+    regs = nvrtc_registers(spec)  # asserts no spills (with a producer warpgroup: in the consumers' 232)
+    if cfg.tile_m == 256 and cfg.warpgroups == 1:  # ptxas spends what the 255 leave it
+        assert regs <= cfg.register_limit()
+    else:
+        assert regs <= cfg.registers(), f"estimate {cfg.registers()} below the real {regs} registers"
     log = io.StringIO()
     spec.compile(logs=log, ptxas_options="-v")
     assert "serialized" not in log.getvalue(), log.getvalue()  # wgmma kept asynchronous
@@ -78,7 +86,10 @@ def test_kernel_rejects_bad_defines():
     (wg.WgmmaConfig(split_k=4), 64, 192, "without any"),
     (wg.WgmmaConfig(), 64, 96, "multiple of 64"),
     (wg.WgmmaConfig(), 0, 128, "N > 0"),
-    (wg.WgmmaConfig(tile_m=256), 64, 128, "tile_m"),
+    (wg.WgmmaConfig(tile_m=512), 64, 128, "tile_m"),
+    (wg.WgmmaConfig(tile_m=256), 64, 128, "registers"),  # two warpgroups need the producer warpgroup
+    (wg.WgmmaConfig(tile_m=256, warpgroups=1, producer_wg=1), 64, 128, "two consumer warpgroups"),
+    (wg.WgmmaConfig(producer_wg=2), 64, 128, "producer_wg must be 0 or 1"),
     ("m128", 64, 128, "WgmmaConfig"),
 ])
 def test_config_predicate_rejects(cfg, n, k, why):
@@ -228,7 +239,7 @@ def test_gpu_bias_alpha(out_dtype, bias_dtype):
 
 
 @requires_sm90
-@pytest.mark.parametrize("m", [37, 200])
+@pytest.mark.parametrize("m", [37, 200, 300])
 def test_gpu_every_candidate_config(m):
     n, k = 1040, 4032  # N not a multiple of any tile; 63 stages (uneven splits)
     _, _, qb, sb, _ = cuda_operands(1, n, k)
@@ -262,6 +273,9 @@ def test_gpu_deterministic_and_cuda_graph():
     qa, sa, qb, sb, alpha = cuda_operands(512, 4096, 4096)
     first = _run(qa, qb, sa, sb, alpha)
     assert torch.equal(first, _run(qa, qb, sa, sb, alpha))
+    for cfg in (wg.WgmmaConfig(256, 2, 4, 2, 1), wg.WgmmaConfig(256, 1, 4, 4)):  # split K: the rank-order reduction
+        once = _run(qa, qb, sa, sb, alpha, cfg=cfg)
+        assert torch.equal(once, _run(qa, qb, sa, sb, alpha, cfg=cfg)), cfg.short()
     qa2, sa2, _, _, _ = cuda_operands(512, 4096, 4096)
     graph = torch.cuda.CUDAGraph()
     with scaledmm.use_backend("nvfp4", wg.NAME):
