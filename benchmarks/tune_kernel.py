@@ -168,14 +168,25 @@ def tune(rows: list[dict], kernel: str, arch: str, source: str, old: dict | None
         raise ValueError(f"--kernel: expected one of {sorted(KERNELS)}, got {kernel!r}")
     spec = KERNELS[kernel]
     cls, bucket, check = spec.load()
-    fields = list(old["config_fields"]) if old else [f.name for f in dataclasses.fields(cls) if f.init]
+    known = [f for f in dataclasses.fields(cls) if f.init]
+    fields = list(old["config_fields"]) if old else [f.name for f in known]
+    # Fields the config class gained after the file was written (a new kernel
+    # option with a default): taken from the sweep so that configs differing
+    # only there stay apart; the file's kept rows get the default.
+    gained = {f.name: f.default for f in known if f.name not in fields and f.default is not dataclasses.MISSING
+              and rows and f.name in rows[0]}
+    fields += list(gained)
     best = best_configs(rows, cls, fields, bucket)
     if not best:
         raise ValueError(f"sweep CSV: no timed point of {kernel}")
     new_rows = build_rows(best, old.get("match", spec.match) if old else spec.match)
     data = dict(old) if old else {"kernel": kernel, "arch": arch, "match": spec.match,
                                   "config_fields": fields, "default": None, "rows": []}
-    kept = [r for r in data["rows"] if (r["n"], r["k"]) not in best]
+    kept = [{**r, "config": {**r["config"], **gained}} for r in data["rows"] if (r["n"], r["k"]) not in best]
+    if gained:
+        data["config_fields"] = fields
+        if data.get("default"):
+            data["default"] = [{**r, "config": {**r["config"], **gained}} for r in data["default"]]
     data["source"] = source
     data["rows"] = kept + new_rows
     kernel_tuning.parse(data, f"{kernel}_{arch}.json", cls, kernel, arch, check)

@@ -157,6 +157,32 @@ def test_tune_kernel_reproduces_a_shipped_file(kernel, tmp_path):
         KT.load(kernel, "sm90", cls, check).by_shape()
 
 
+def test_tune_kernel_keeps_a_gained_field_apart(tmp_path):
+    """A file written before its config class gained a field (fp8_wgmma's
+    producer_wg): the sweep's column keeps two configs that differ only there
+    apart, the winner's value is written, and the kept rows take the default."""
+    from scaledmm.ops import fp8_wgmma as fw
+
+    old_fields = ["tile_m", "warpgroups", "stages", "split_k", "chain"]
+    kept = {"n": 4096, "k": 4096, "max_m": tune_kernel.LAST_M, "config": dict(zip(old_fields, (64, 1, 6, 2, 4))), "us": 9.0}
+    old = {"kernel": "fp8_wgmma_block", "arch": "sm90", "match": "max_m", "config_fields": old_fields,
+           "source": "old", "default": None, "rows": [kept]}
+    rows = []
+    for m, pwg_us, plain_us in ((16, 30.0, 20.0), (4096, 700.0, 900.0)):
+        for pwg, us in ((1, pwg_us), (0, plain_us)):
+            cfg = {"tile_m": 128, "warpgroups": 2, "stages": 4, "split_k": 1, "chain": 4, "producer_wg": pwg}
+            rows.append({"n": "7168", "k": "16384", "m": str(m), "median_us": str(us), "status": "ok",
+                         **{f: str(v) for f, v in cfg.items()}})
+    doc = tune_kernel.tune(rows, "fp8_wgmma_block", "sm90", "test", old)
+    assert doc["config_fields"] == old_fields + ["producer_wg"]
+    assert doc["rows"][0]["config"] == {**kept["config"], "producer_wg": 0}
+    new = [(r["max_m"], r["config"]["producer_wg"]) for r in doc["rows"] if r["n"] == 7168]
+    assert new == [(16, 0), (tune_kernel.LAST_M, 1)]
+    table = KT.parse(doc, "fp8_wgmma_block_sm90.json", fw.WgmmaConfig, "fp8_wgmma_block", "sm90")
+    assert table.lookup(7168, 16384, 4096) == fw.WgmmaConfig(128, 2, 4, 1, 4, 1)
+    assert table.lookup(4096, 4096, 1) == fw.WgmmaConfig(64, 1, 6, 2, 4)
+
+
 def test_tune_kernel_unknown_kernel_and_missing_columns():
     with pytest.raises(ValueError, match="--kernel: expected one of"):
         tune_kernel.tune([], "nope", "sm90", "")
