@@ -151,8 +151,6 @@ constexpr int STAGES = G_ST;
 constexpr int SPLIT = G_SPLIT;
 constexpr int THREADS = 128 * WGS;  // consumer threads
 constexpr int THREADS_ALL = THREADS + (G_PWG ? 128 : 32);  // + the producer warp (warpgroup with G_PWG)
-constexpr int PRODUCER_REGS = 40;  // G_PWG: setmaxnreg counts (multiples of 8; 128 x 40 + 256 x 232 <= 65536)
-constexpr int CONSUMER_REGS = 232;
 constexpr int KB = 128;  // K per stage: one 128-byte swizzle row of e4m3
 constexpr int NKB = (K + KB - 1) / KB;
 constexpr int ACC = BT / 2;  // fp32 accumulators per thread (m64 x BT over 128 threads)
@@ -192,7 +190,6 @@ static_assert(G_BLOCK == 0 || G_QUANT == 1 || G_BIAS == 0, "the block-scaled GEM
 static_assert(G_QUANT == 0 || (G_BLOCK == 1 && K % KB == 0), "G_QUANT needs G_BLOCK and K % 128 == 0");
 static_assert(G_IN == 0 || G_IN == 1, "G_IN must be 0 (bf16) or 1 (fp16)");
 static_assert(G_PWG == 0 || (G_PWG == 1 && WGS == 2 && G_QUANT == 0), "G_PWG 1 needs G_WG 2 and no G_QUANT");
-static_assert(128 * PRODUCER_REGS + THREADS * CONSUMER_REGS <= 65536, "setmaxnreg counts exceed the register file");
 constexpr float FP8_MAX = 448.0f;
 constexpr float GROUP_EPS = 1e-10f;  // per_token_group_quant_fp8's eps in fp8_block_linear
 
@@ -392,7 +389,7 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
   // without, the two are one if / else (the SASS of the measured configs).
 #if G_PWG
   if (producer) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+    producer_registers();
 #else
   float acc[ACC];
 #pragma unroll
@@ -429,7 +426,7 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
 #endif
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+  consumer_registers();
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;

@@ -124,8 +124,6 @@ constexpr int THREADS = 128 * WGS;     // consumer threads
 // warpgroups of 256-row tiles; W_PWG makes the producer a warpgroup that
 // gives its registers to the consumers.)
 constexpr int THREADS_ALL = THREADS + (W_PWG ? 128 : 32);
-constexpr int PRODUCER_REGS = 40;  // W_PWG: setmaxnreg counts (128 x 40 + 256 x 232 <= 65536)
-constexpr int CONSUMER_REGS = 232;
 static_assert(THREADS_ALL % 32 == 0, "whole warps");
 constexpr int KB = 64;              // K per stage: one 128-byte swizzle row of 16-bit activation
 constexpr int NKB = K / KB;
@@ -358,7 +356,7 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
   // without, the two are one if / else (the SASS of the measured configs).
 #if W_PWG
   if (producer) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+    producer_registers();
 #else
   float acc[ACC];
 #pragma unroll
@@ -385,7 +383,7 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
 #endif
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+  consumer_registers();
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;

@@ -121,6 +121,22 @@ __device__ __forceinline__ bool cluster_reduce(float (&acc)[ACC], u32 smem, int 
   return rank == 0;
 }
 
+// A producer warpgroup hands registers to two consumer warpgroups (setmaxnreg,
+// warpgroup-wide, counts multiples of 8): a 384-thread CTA launches with 168
+// each, then the producers drop to 40 and the consumers rise to 232
+// (128 x 40 + 256 x 232 <= 65536).
+constexpr int PRODUCER_REGS = 40;
+constexpr int CONSUMER_REGS = 232;
+static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536, "setmaxnreg counts exceed the register file");
+
+__device__ __forceinline__ void producer_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+}
+
+__device__ __forceinline__ void consumer_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+}
+
 // cluster_reduce's barriers for a thread without accumulators (a producer
 // warp that returns early): the same CTA barrier and two cluster barriers.
 __device__ __forceinline__ void cluster_reduce_idle() {

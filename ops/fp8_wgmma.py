@@ -78,7 +78,7 @@ TILES = (16, 32, 64, 128)
 # rounded down to 8); five warps leave the instruction's limit.
 REG_LIMIT = {1: 255, 2: 168}
 # With a producer warpgroup (``producer_wg``) the consumers raise theirs with
-# setmaxnreg to this (the kernel's CONSUMER_REGS).
+# setmaxnreg to this (CONSUMER_REGS in csrc/wgmma_ptx.cuh).
 PWG_REG_LIMIT = 232
 SMEM_MAX = 227 * 1024
 

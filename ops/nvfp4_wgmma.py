@@ -63,7 +63,7 @@ MAX_REGS = 255
 SMEM_MAX = 227 * 1024
 TILES = (32, 64, 128, 256)
 # Registers a thread gets when nine warps share the SM (three on one quadrant),
-# and what setmaxnreg gives the consumers with a producer warpgroup.
+# and what setmaxnreg gives the consumers with a producer warpgroup (CONSUMER_REGS in csrc/wgmma_ptx.cuh).
 REG_LIMIT_9_WARPS = 168
 PWG_REG_LIMIT = 232
 
