@@ -24,7 +24,8 @@ safe.  Two warpgroups of 128-row tiles with the block scales need more
 registers than nine warps leave a thread: ``producer_wg`` makes the
 producer a warpgroup that hands its registers to the consumers (the
 large-M tile; no measured table row uses it yet).  Where it runs instead of
-cuBLAS, CUTLASS or the Triton GEMMs is measured (``scaledmm/tuning/fp8_sm90.json``, ``fp8_block_sm90.json``);
+cuBLAS, CUTLASS or the Triton GEMMs is measured
+(``scaledmm/tuning/fp8_sm90.json``, ``fp8_block_sm90.json``);
 ``fp8_linear`` / ``fp8_block_linear`` reach it through their composites
 (quantize, then the GEMM).  :func:`block_linear` runs ``fp8_block_linear`` in
 one launch (the bf16 / fp16 activation by TMA, each stage's 1 x 128 groups

@@ -148,8 +148,10 @@ class WgmmaConfig:
 
     def registers(self) -> int:
         """Estimated registers per thread (accumulators, two A fragment sets,
-        a stage of weight words, addresses, the split-K reduce), an upper
-        bound of ptxas' count (checked by the tests)."""
+        a stage of weight words, addresses, the split-K reduce): an upper
+        bound of ptxas' count up to 128-row tiles, what a 256-row tile needs
+        without spills under a producer warpgroup's 232 (with one
+        warpgroup ptxas spends up to 255 on it); checked by the tests."""
         return self.tile_m // 2 + 100
 
     def stage_bytes(self) -> int:
