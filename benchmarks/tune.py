@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(op_shapes['OP:VARIANT'], e.g. --op fp8_scaled_mm --variant rowwise)")
     p.add_argument("--kernel", help="write a kernel's tuned configs instead (scaledmm/tuning/kernels/"
                    "<kernel>_<arch>.json) from a sweep of its configs: see benchmarks/tune_kernel.py")
+    p.add_argument("--keep-smaller-m", action="store_true",
+                   help="with --kernel: a swept shape keeps its rows that end below the sweep's smallest M")
     args = p.parse_args(argv)
     with open(args.csv, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -212,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernel:
         from benchmarks import tune_kernel
 
-        line = f"python -m benchmarks.tune {Path(args.csv).name} --kernel {args.kernel}; {source}".rstrip("; ")
+        flags = " --keep-smaller-m" if args.keep_smaller_m else ""
+        line = f"python -m benchmarks.tune {Path(args.csv).name} --kernel {args.kernel}{flags}; {source}".rstrip("; ")
         return tune_kernel.main(args, rows, line)
     if args.variant and not args.op_rows:
         p.error("--variant needs --op-rows")

@@ -18,7 +18,10 @@ its times.
   also covers every larger M.
 
 With ``--out`` an existing file, the shapes of the sweep replace their rows;
-other rows, ``default`` and ``notes`` stay.  The result is validated by the
+other rows, ``default`` and ``notes`` stay.  With ``--keep-smaller-m`` a
+swept shape keeps its rows that end below the sweep's smallest M of that
+shape (a sweep of the large-M points only); the sweep's first row then also
+covers the M between.  The result is validated by the
 loader (each config built by its dataclass, CUTLASS configs also checked by
 ``config_valid``) before it is written.
 
@@ -158,10 +161,13 @@ def dump(data: dict) -> str:
     return "{\n" + ",\n".join(f" {json.dumps(k)}: {value(v)}" for k, v in data.items()) + "\n}\n"
 
 
-def tune(rows: list[dict], kernel: str, arch: str, source: str, old: dict | None = None) -> dict:
+def tune(rows: list[dict], kernel: str, arch: str, source: str, old: dict | None = None,
+         keep_smaller_m: bool = False) -> dict:
     """The kernel config document of ``kernel`` from sweep ``rows`` (CSV
     dicts), merged into ``old`` (an existing file's document) when given;
-    validated by :func:`scaledmm.kernel_tuning.parse`."""
+    with ``keep_smaller_m`` a swept shape keeps its old rows ending below
+    the sweep's smallest M (bucket) for it.  Validated by
+    :func:`scaledmm.kernel_tuning.parse`."""
     from scaledmm import kernel_tuning
 
     if kernel not in KERNELS:
@@ -182,13 +188,15 @@ def tune(rows: list[dict], kernel: str, arch: str, source: str, old: dict | None
     new_rows = build_rows(best, old.get("match", spec.match) if old else spec.match)
     data = dict(old) if old else {"kernel": kernel, "arch": arch, "match": spec.match,
                                   "config_fields": fields, "default": None, "rows": []}
-    kept = [{**r, "config": {**r["config"], **gained}} for r in data["rows"] if (r["n"], r["k"]) not in best]
+    first = {nk: min(points) for nk, points in best.items()}
+    kept = [{**r, "config": {**r["config"], **gained}} for r in data["rows"]
+            if (r["n"], r["k"]) not in best or keep_smaller_m and r["max_m"] < first[(r["n"], r["k"])]]
     if gained:
         data["config_fields"] = fields
         if data.get("default"):
             data["default"] = [{**r, "config": {**r["config"], **gained}} for r in data["default"]]
     data["source"] = source
-    data["rows"] = kept + new_rows
+    data["rows"] = kept + new_rows  # a shape's kept rows end below its new ones: ascending per shape
     kernel_tuning.parse(data, f"{kernel}_{arch}.json", cls, kernel, arch, check)
     return data
 
@@ -197,7 +205,7 @@ def main(args: Any, rows: list[dict], source: str) -> int:
     """``tune.main``'s ``--kernel`` mode."""
     out = Path(args.out) if args.out else None
     old = json.loads(out.read_text()) if out and out.exists() else None
-    data = tune(rows, args.kernel, args.arch, source, old)
+    data = tune(rows, args.kernel, args.arch, source, old, getattr(args, "keep_smaller_m", False))
     text = dump(data)
     if out:
         out.write_text(text)

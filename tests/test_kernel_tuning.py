@@ -183,6 +183,37 @@ def test_tune_kernel_keeps_a_gained_field_apart(tmp_path):
     assert table.lookup(4096, 4096, 1) == fw.WgmmaConfig(64, 1, 6, 2, 4)
 
 
+def test_tune_kernel_keep_smaller_m_merges_a_large_m_sweep(tmp_path):
+    """--keep-smaller-m: a sweep of M >= 256 keeps the shape's rows that end
+    below 256 and replaces the rest; without it the shape's rows go."""
+    from scaledmm.ops import fp8_wgmma as fw
+
+    fields = ["tile_m", "warpgroups", "stages", "split_k", "chain", "producer_wg"]
+    old_rows = [{"n": 7168, "k": 16384, "max_m": mm, "config": dict(zip(fields, cfg)), "us": 1.0}
+                for mm, cfg in ((16, (16, 1, 8, 2, 4, 0)), (128, (64, 1, 6, 1, 4, 0)),
+                                (tune_kernel.LAST_M, (64, 2, 6, 1, 4, 0)))]
+    old = {"kernel": "fp8_wgmma_block", "arch": "sm90", "match": "max_m", "config_fields": fields,
+           "source": "old", "default": None, "rows": old_rows}
+    rows = [{"n": "7168", "k": "16384", "m": str(m), "median_us": str(us), "status": "ok",
+             **dict(zip(fields, map(str, (128, 2, 4, 1, 4, 1))))} for m, us in ((256, 60.0), (4096, 800.0))]
+    sweep, out = tmp_path / "sweep.csv", tmp_path / "fp8_wgmma_block_sm90.json"
+    with open(sweep, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    out.write_text(json.dumps(old))
+    assert tune.main([str(sweep), "--kernel", "fp8_wgmma_block", "--out", str(out), "--keep-smaller-m",
+                      "--source", "test"]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["max_m"] for r in doc["rows"]] == [16, 128, tune_kernel.LAST_M]
+    assert "--keep-smaller-m" in doc["source"]
+    table = KT.parse(doc, "fp8_wgmma_block_sm90.json", fw.WgmmaConfig, "fp8_wgmma_block", "sm90")
+    assert table.lookup(7168, 16384, 100) == fw.WgmmaConfig(64, 1, 6, 1, 4)
+    assert table.lookup(7168, 16384, 200) == table.lookup(7168, 16384, 4096) == fw.WgmmaConfig(128, 2, 4, 1, 4, 1)
+    replaced = tune_kernel.tune(rows, "fp8_wgmma_block", "sm90", "test", old)
+    assert [r["max_m"] for r in replaced["rows"]] == [tune_kernel.LAST_M]
+
+
 def test_tune_kernel_unknown_kernel_and_missing_columns():
     with pytest.raises(ValueError, match="--kernel: expected one of"):
         tune_kernel.tune([], "nope", "sm90", "")
