@@ -328,30 +328,27 @@ class _Plan:
 
 
 def _check_args(x, w, alpha, bias, out) -> None:
-    """ValueError naming what was expected; messages are formatted only on failure (a per-call path)."""
-    tensors = (x, w, alpha, out) + (() if bias is None else (bias,))
+    """ValueError naming what was expected (a per-call path: messages are formatted only on failure)."""
+    def bad(why: str):
+        raise ValueError(f"gemm_alpha_dev: {why}")
+
     if x.dim() != 2 or w.dim() != 2 or tuple(out.shape) != (x.shape[0], w.shape[0]) or x.shape[1] != w.shape[1]:
-        raise ValueError(f"gemm_alpha_dev: expected x [M, K], w [N, K], out [M, N], got "
-                         f"{[tuple(t.shape) for t in (x, w, out)]}")
-    problems = (
-        (lambda: x.dtype not in IN_DTYPES or w.dtype != x.dtype or out.dtype not in OUT_DTYPES,
-         lambda: f"expected x, w both bf16 or fp16, out bf16/fp16/fp32, got {x.dtype}, {w.dtype}, {out.dtype}"),
-        (lambda: alpha.dtype != torch.float32 or alpha.numel() != 1,
-         lambda: f"alpha: expected one fp32 element, got {alpha.dtype} {tuple(alpha.shape)}"),
-        (lambda: bias is not None and (bias.dtype not in OUT_DTYPES or tuple(bias.shape) != (w.shape[0],) or
-                                       bias.shape[0] > 1 and bias.stride(0) != 1),
-         lambda: f"bias: expected a packed [N] vector of bf16/fp16/fp32, got {bias.dtype} {tuple(bias.shape)} "
-                 f"stride {bias.stride()}"),
-        (lambda: any(t.shape[1] > 1 and t.stride(1) != 1 for t in (x, w, out)),
-         lambda: f"expected unit column strides, got {[t.stride() for t in (x, w, out)]}"),
-        (lambda: out.shape[0] > 1 and out.stride(0) < out.shape[1],
-         lambda: f"out: rows overlap (row stride {out.stride(0)}, {out.shape[1]} columns)"),
-        (lambda: out.device.type != "cuda" or any(t.device != out.device for t in tensors),
-         lambda: f"expected every tensor on one CUDA device, got {[str(t.device) for t in tensors]}"),
-    )
-    for bad, why in problems:
-        if bad():
-            raise ValueError(f"gemm_alpha_dev: {why()}")
+        bad(f"expected x [M, K], w [N, K], out [M, N], got {[tuple(t.shape) for t in (x, w, out)]}")
+    if x.dtype not in IN_DTYPES or w.dtype != x.dtype or out.dtype not in OUT_DTYPES:
+        bad(f"expected x, w both bf16 or fp16, out bf16/fp16/fp32, got {x.dtype}, {w.dtype}, {out.dtype}")
+    if alpha.dtype != torch.float32 or alpha.numel() != 1:
+        bad(f"alpha: expected one fp32 element, got {alpha.dtype} {tuple(alpha.shape)}")
+    if bias is not None and (bias.dtype not in OUT_DTYPES or tuple(bias.shape) != (w.shape[0],)
+                             or bias.shape[0] > 1 and bias.stride(0) != 1):
+        bad(f"bias: expected a packed [N] vector of bf16/fp16/fp32, got {bias.dtype} {tuple(bias.shape)} "
+            f"stride {bias.stride()}")
+    if any(t.shape[1] > 1 and t.stride(1) != 1 for t in (x, w, out)):
+        bad(f"expected unit column strides, got {[t.stride() for t in (x, w, out)]}")
+    if out.shape[0] > 1 and out.stride(0) < out.shape[1]:
+        bad(f"out: rows overlap (row stride {out.stride(0)}, {out.shape[1]} columns)")
+    tensors = (x, w, alpha, out) + (() if bias is None else (bias,))
+    if out.device.type != "cuda" or any(t.device != out.device for t in tensors):
+        bad(f"expected every tensor on one CUDA device, got {[str(t.device) for t in tensors]}")
 
 
 def gemm_alpha_dev(x: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,

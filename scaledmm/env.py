@@ -189,7 +189,7 @@ def jit_no_build() -> bool:
     True
     >>> del os.environ[JIT_NO_BUILD]
     """
-    return os.environ.get(JIT_NO_BUILD, "").strip().lower() not in ("", "0", "false", "no")
+    return _flag(os.environ.get(JIT_NO_BUILD))
 
 
 def nvcc() -> str | None:
@@ -265,7 +265,7 @@ def nvfp4_cublaslt() -> bool:
     """``SCALEDMM_NVFP4_CUBLASLT``: anything but unset, empty, 0, false or no
     (any case, spaces ignored) turns it on; read at every call.  Off by
     default until the cuBLASLt path has passed its GPU tests and layer
-    timing on the H200 (benchmarks/NOTES.md, "Session 16").
+    timing on the H200.
 
     Examples
     --------
@@ -274,5 +274,9 @@ def nvfp4_cublaslt() -> bool:
     >>> del os.environ[NVFP4_CUBLASLT]; nvfp4_cublaslt()
     False
     """
-    value = text(raw(NVFP4_CUBLASLT))
+    return _flag(text(raw(NVFP4_CUBLASLT)))
+
+
+def _flag(value: str | None) -> bool:
+    """An opt-in flag's meaning: on unless unset, empty, 0, false or no (any case, spaces ignored)."""
     return value is not None and value.strip().lower() not in ("", "0", "false", "no")
