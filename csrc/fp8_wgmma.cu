@@ -30,8 +30,12 @@
 //                in the kernel (K % 128 == 0)
 //   G_PWG        1 (with G_WG 2, not G_QUANT): the producer is a whole
 //                warpgroup that hands registers to the consumers
-//                (setmaxnreg: 40 / 232 instead of 168 for all), so a 128 x 128
-//                tile with two fp32 fragments a thread fits: the large-M tile
+//                (setmaxnreg: 40 / 232, with G_PERSIST and G_BLOCK 48 / 224,
+//                instead of 168 for all), so a 128 x 128 tile with two fp32
+//                fragments a thread fits: the large-M tile
+//   G_PERSIST    1 (with G_SPLIT 1, not G_QUANT): a persistent grid of about
+//                one CTA per SM slot walks the tiles; the producer loads the
+//                next tile's stages while the consumers store this one's
 //
 // Design:
 //  * Swap AB: weight rows are the MMA's M (64 per warpgroup whatever the
@@ -90,6 +94,16 @@
 //    gives 168 to each of 384 threads; after the set-up the producers drop
 //    to 40 and the consumers rise to 232 (the register file: 128 x 40 +
 //    256 x 232 <= 65536).
+//  * G_PERSIST: tile t of the (m / BT) x (N / BN) grid is taken by CTA
+//    t % gridDim.x.  The ring's slots and phases run on from tile to tile, so
+//    the producer fills the next tile's stages while the consumers still
+//    promote and store this one (the non-persistent grid leaves the SM's
+//    loads idle through each epilogue and each CTA's start).  Tiles go in
+//    bands of GROUP_M activation tiles, the weight tiles of a band in turn,
+//    so the CTAs running at once read a few panels of each operand through
+//    L2 instead of every activation panel.  With G_BLOCK each stage's weight
+//    scale rides in its activation-scale slot (the tile's weight block
+//    changes from tile to tile).
 //  * Programmatic dependent launch (a no-op without it): after the barrier
 //    set-up every thread waits for the previous grid (griddepcontrol.wait)
 //    before any TMA load or global access, then lets the next grid launch.
@@ -136,6 +150,9 @@
 #ifndef G_PWG
 #define G_PWG 0
 #endif
+#ifndef G_PERSIST
+#define G_PERSIST 0
+#endif
 
 namespace f8w {
 
@@ -153,6 +170,8 @@ constexpr int THREADS = 128 * WGS;  // consumer threads
 constexpr int THREADS_ALL = THREADS + (G_PWG ? 128 : 32);  // + the producer warp (warpgroup with G_PWG)
 constexpr int KB = 128;  // K per stage: one 128-byte swizzle row of e4m3
 constexpr int NKB = (K + KB - 1) / KB;
+constexpr int TILES_N = (N + BN - 1) / BN;
+constexpr int GROUP_M = 8;  // G_PERSIST: activation tiles per band
 constexpr int ACC = BT / 2;  // fp32 accumulators per thread (m64 x BT over 128 threads)
 constexpr int CHAIN = G_CHAIN;
 // Fragments in flight together: with CHAIN 1 each k32 step its own (the
@@ -171,10 +190,10 @@ constexpr int RED_BYTES = SPLIT > 1 ? ACC * THREADS * 4 : 0;
 constexpr int BODY_BYTES = STAGES * STAGE_BYTES > RED_BYTES ? STAGES * STAGE_BYTES : RED_BYTES;
 // G_BLOCK: each stage's activation scales (BT fp32, copied by the producer
 // warp's cp.async) and the CTA's weight scales of its K range, after the
-// barriers.
+// barriers; with G_PERSIST each stage's weight scale at [BT] of its slot.
 constexpr int BAR_BYTES = 16 * STAGES;
-constexpr int SA_SLOT = BT * 4;
-constexpr int SCALE_BYTES = G_BLOCK ? STAGES * SA_SLOT + (NKB + 31) / 32 * 128 : 0;
+constexpr int SA_SLOT = (BT + (G_PERSIST ? 4 : 0)) * 4;
+constexpr int SCALE_BYTES = G_BLOCK ? STAGES * SA_SLOT + (G_PERSIST ? 0 : (NKB + 31) / 32 * 128) : 0;
 constexpr int SMEM_BYTES = BODY_BYTES + BAR_BYTES + SCALE_BYTES + 1024;  // + barriers, + base alignment
 static_assert(SMEM_BYTES <= 227 * 1024, "the stages (or the split-K tile) exceed the shared memory of an SM");
 
@@ -190,6 +209,13 @@ static_assert(G_BLOCK == 0 || G_QUANT == 1 || G_BIAS == 0, "the block-scaled GEM
 static_assert(G_QUANT == 0 || (G_BLOCK == 1 && K % KB == 0), "G_QUANT needs G_BLOCK and K % 128 == 0");
 static_assert(G_IN == 0 || G_IN == 1, "G_IN must be 0 (bf16) or 1 (fp16)");
 static_assert(G_PWG == 0 || (G_PWG == 1 && WGS == 2 && G_QUANT == 0), "G_PWG 1 needs G_WG 2 and no G_QUANT");
+static_assert(G_PERSIST == 0 || (G_PERSIST == 1 && SPLIT == 1 && G_QUANT == 0),
+              "G_PERSIST 1 needs G_SPLIT 1 and no G_QUANT");
+// G_PWG: setmaxnreg's registers for a producer and a consumer thread; the
+// persistent block-scaled producer also addresses each tile's scales.
+constexpr int PWG_PRODUCER_REGS = G_PERSIST && G_BLOCK ? 48 : 40;
+constexpr int PWG_CONSUMER_REGS = G_PERSIST && G_BLOCK ? 224 : 232;
+static_assert(128 * PWG_PRODUCER_REGS + 256 * PWG_CONSUMER_REGS <= 65536, "setmaxnreg counts exceed the register file");
 constexpr float FP8_MAX = 448.0f;
 constexpr float GROUP_EPS = 1e-10f;  // per_token_group_quant_fp8's eps in fp8_block_linear
 
@@ -261,6 +287,17 @@ __device__ __forceinline__ void quantize_stage(u32 stg, u32 xq, float* sa_slot, 
   // The codes are read by wgmma (the async proxy); the scales by every consumer.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+}
+
+// G_PERSIST: the origin of tile t.  Bands of GROUP_M activation tiles; in a
+// band, the activation tiles of one weight tile are consecutive.
+__device__ __forceinline__ void tile_origin(int t, int tiles_m, int& m0, int& n0) {
+  const int band = t / (GROUP_M * TILES_N);
+  const int first = band * GROUP_M;
+  const int rows = tiles_m - first < GROUP_M ? tiles_m - first : GROUP_M;
+  const int r = t - band * GROUP_M * TILES_N;
+  m0 = (first + r % rows) * BT;
+  n0 = (r / rows) * BN;
 }
 
 __device__ __forceinline__ void add(float (&acc)[ACC], const float (&d)[ACC]) {
@@ -335,8 +372,9 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 a_desc, u64 b_desc)
 #define G_CLUSTER
 #endif
 
-// grid (ceil(m / BT), ceil(N / BN), SPLIT), block 128 * WG + 32 (G_PWG: + 128), dynamic
-// shared memory f8w::SMEM_BYTES, clusters of (1, 1, SPLIT).  tmap_a: the
+// grid (ceil(m / BT), ceil(N / BN), SPLIT) (G_PERSIST: (CTAs, 1, 1), any number),
+// block 128 * WG + 32 (G_PWG: + 128), dynamic shared memory f8w::SMEM_BYTES,
+// clusters of (1, 1, SPLIT).  tmap_a: the
 // activation [m, K] (bytes, box 128 x BT, 128-byte swizzle); tmap_b: the
 // weight [N, K] (bytes, box 128 x BN, 128-byte swizzle); both zero-fill past
 // the tensor.  sa[mm * sa_step], sb[n * sb_step]: the scales.  G_BLOCK:
@@ -368,8 +406,13 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
   const bool producer = (tid >> 5) == 4 * WGS;  // the warp after the consumer warpgroups
   constexpr bool loader = true;
 #endif
+#if G_PERSIST
+  const int tiles_m = (m + BT - 1) / BT;
+  const int tiles = tiles_m * TILES_N;
+#else
   const int m0 = blockIdx.x * BT;
   const int n0 = blockIdx.y * BN;
+#endif
 
   int kb0;
   const int nk = stage_range<NKB, SPLIT>(kb0);
@@ -378,46 +421,97 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
   ring_init<STAGES>(bars, 4 * WGS, G_BLOCK && !G_QUANT ? 33 : 1);
 #if G_BLOCK
   const u32 sa_smem = bars + BAR_BYTES;
+#if !G_PERSIST
   float* sw_smem = reinterpret_cast<float*>(smem_raw + (sa_smem + STAGES * SA_SLOT - smem_addr(smem_raw)));
   // The CTA's weight scales (one 128-row block: BN <= 128 and n0 % BN == 0).
   for (int i = tid; i < nk; i += THREADS_ALL) sw_smem[i] = sb[(n0 / 128) * sb_n + (kb0 + i) * sb_k];
   __syncthreads();
 #endif
+#endif
+
+  // Stage i of the tile at (tm0, tn0) into ring slot ``slot`` once its last
+  // readers are done (``parity``: the empty barrier's phase to wait for).
+  auto load_stage = [&](int slot, u32 parity, int i, int tm0, int tn0) {
+    mbar_wait(bars + 8 * (STAGES + slot), parity);
+    const u32 full = bars + 8 * slot, base = smem0 + slot * STAGE_BYTES;
+    if (lane == 0) {
+      mbar_expect_tx(full, STAGE_BYTES - (G_QUANT ? X_BYTES : 0));
+      // G_QUANT: the 16-bit rows to the staging slot (K coordinates in elements)
+      tma_2d(G_QUANT ? base + X_BYTES + W_BYTES : base, &tmap_a, (kb0 + i) * KB, tm0, full);
+      tma_2d(base + X_BYTES, &tmap_b, (kb0 + i) * KB, tn0, full);
+    }
+#if G_BLOCK && !G_QUANT
+    // Rows past m read nothing and land as zeros.
+    for (int r = lane; r < BT; r += 32) {
+      const int mm = tm0 + r < m ? tm0 + r : 0;
+      cp_async_4(sa_smem + slot * SA_SLOT + 4 * r, sa + (long long)mm * sa_m + (long long)(kb0 + i) * sa_k,
+                 tm0 + r < m ? 4 : 0);
+    }
+#if G_PERSIST
+    // The tile's weight scale of this stage (one 128-row block: BN <= 128, tn0 % BN == 0).
+    if (lane == 0) cp_async_4(sa_smem + slot * SA_SLOT + 4 * BT, sb + (tn0 / 128) * sb_n + (kb0 + i) * sb_k, 4);
+#endif
+    cp_async_arrive_noinc(full);
+#endif
+  };
+
+  // One tile's output from its accumulators.  D fragment of m64nBT: thread
+  // (warp, g, t4) holds weight rows 16 warp + g (+ 8) and activation rows
+  // 8 c + 2 t4 (+ 1), c < BT / 8.
+  auto store_tile = [&](const float (&tacc)[ACC], int tm0, int tn0) {
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int wgi = tid >> 7;
+    const int warp = (tid >> 5) & 3;
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) {
+      const int n = tn0 + wgi * 64 + warp * 16 + g + ((i >> 1) & 1) * 8;
+      const int mm = tm0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
+      if (n < N && mm < m) {
+#if G_QUANT
+        store_out<G_OUT, N>(out, G_BIAS != 0 ? __fadd_rn(tacc[i], bias_at<G_BIAS>(bias, n)) : tacc[i], mm, n);
+#elif G_BLOCK
+        store_out<G_OUT, N>(out, tacc[i], mm, n);
+#else
+        float v = __fmul_rn(__fmul_rn(tacc[i], sa[mm * sa_step]), sb[n * sb_step]);
+        if (G_BIAS != 0) v = __fadd_rn(v, bias_at<G_BIAS>(bias, n));
+        store_out<G_OUT, N>(out, v, mm, n);
+#endif
+      }
+    }
+  };
 
   // With G_PWG the producers return after their loop (their 40 registers
   // must not hold the accumulators) and the consumers' branch follows it;
   // without, the two are one if / else (the SASS of the measured configs).
 #if G_PWG
   if (producer) {
-    producer_registers();
+    producer_registers<PWG_PRODUCER_REGS>();
 #else
+#if !G_PERSIST
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+#endif
 
   if (producer) {
 #endif
     if (loader && ((G_BLOCK && !G_QUANT) || lane == 0)) {
-      for (int i = 0; i < nk; ++i) {
-        const int slot = i % STAGES;
-        mbar_wait(bars + 8 * (STAGES + slot), ((i / STAGES) & 1) ^ 1);  // the slot's last readers are done
-        const u32 full = bars + 8 * slot, base = smem0 + slot * STAGE_BYTES;
-        if (lane == 0) {
-          mbar_expect_tx(full, STAGE_BYTES - (G_QUANT ? X_BYTES : 0));
-          // G_QUANT: the 16-bit rows to the staging slot (K coordinates in elements)
-          tma_2d(G_QUANT ? base + X_BYTES + W_BYTES : base, &tmap_a, (kb0 + i) * KB, m0, full);
-          tma_2d(base + X_BYTES, &tmap_b, (kb0 + i) * KB, n0, full);
+#if G_PERSIST
+      int slot = 0;
+      u32 parity = 1;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        int tm0, tn0;
+        tile_origin(t, tiles_m, tm0, tn0);
+        for (int i = 0; i < nk; ++i) {
+          load_stage(slot, parity, i, tm0, tn0);
+          slot = slot + 1 == STAGES ? 0 : slot + 1;
+          parity ^= slot == 0;
         }
-#if G_BLOCK && !G_QUANT
-        // Rows past m read nothing and land as zeros.
-        for (int r = lane; r < BT; r += 32) {
-          const int mm = m0 + r < m ? m0 + r : 0;
-          cp_async_4(sa_smem + slot * SA_SLOT + 4 * r, sa + (long long)mm * sa_m + (long long)(kb0 + i) * sa_k,
-                     m0 + r < m ? 4 : 0);
-        }
-        cp_async_arrive_noinc(full);
-#endif
       }
+#else
+      for (int i = 0; i < nk; ++i) load_stage(i % STAGES, ((i / STAGES) & 1) ^ 1, i, m0, n0);
+#endif
     }
     __syncwarp();
 #if G_PWG
@@ -426,10 +520,12 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
 #endif
     return;
   }
-  consumer_registers();
+  consumer_registers<PWG_CONSUMER_REGS>();
+#if !G_PERSIST
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+#endif
   {
 #else
   } else {
@@ -438,7 +534,15 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
     const u64 a_desc0 = smem_desc(smem0 + X_BYTES + wgi * 64 * 128);  // this warpgroup's 64 weight rows
     const u64 b_desc0 = smem_desc(smem0);
     float f[FR][ACC];  // the fragments of one group
-    u32 slot = 0, phase = 0;
+    u32 slot = 0, phase = 0;  // run on from tile to tile (G_PERSIST)
+#if G_PERSIST
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      int tm0, tn0;
+      tile_origin(t, tiles_m, tm0, tn0);
+      float acc[ACC];
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+#endif
     for (int i = 0; i < nk; ++i) {
       mbar_wait(bars + 8 * slot, phase);
 #if G_QUANT
@@ -464,7 +568,11 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
         // 8 c + 2 t4 + e (activation row) -> sc[2 c + e].
         float sc[BT / 4];
         {
+#if G_PERSIST
+          const float w = reinterpret_cast<const float*>(smem_raw + (sa_smem + slot * SA_SLOT - smem_addr(smem_raw)))[BT];
+#else
           const float w = sw_smem[i];
+#endif
           const float* sa_s = reinterpret_cast<const float*>(
               smem_raw + (sa_smem + slot * SA_SLOT - smem_addr(smem_raw))) + 2 * (lane & 3);
 #pragma unroll
@@ -492,35 +600,20 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
       slot = slot + 1 == STAGES ? 0 : slot + 1;
       phase ^= slot == 0;
     }
+#if G_PERSIST
+      store_tile(acc, tm0, tn0);
+    }
+    return;
+#endif
   }
 
+#if !G_PERSIST
 #if G_SPLIT > 1
   if (!cluster_reduce<ACC, THREADS, SPLIT>(acc, smem0, tid, G_PWG || !producer)) return;
 #endif
 #if !G_PWG
   if (producer) return;
 #endif
-
-  // D fragment of m64nBT: thread (warp, g, t4) holds weight rows 16 warp + g
-  // (+ 8) and activation rows 8 c + 2 t4 (+ 1), c < BT / 8.
-  const int g = lane >> 2;
-  const int t4 = lane & 3;
-  const int wgi = tid >> 7;
-  const int warp = (tid >> 5) & 3;
-#pragma unroll
-  for (int i = 0; i < ACC; ++i) {
-    const int n = n0 + wgi * 64 + warp * 16 + g + ((i >> 1) & 1) * 8;
-    const int mm = m0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
-    if (n < N && mm < m) {
-#if G_QUANT
-      store_out<G_OUT, N>(out, G_BIAS != 0 ? __fadd_rn(acc[i], bias_at<G_BIAS>(bias, n)) : acc[i], mm, n);
-#elif G_BLOCK
-      store_out<G_OUT, N>(out, acc[i], mm, n);
-#else
-      float v = __fmul_rn(__fmul_rn(acc[i], sa[mm * sa_step]), sb[n * sb_step]);
-      if (G_BIAS != 0) v = __fadd_rn(v, bias_at<G_BIAS>(bias, n));
-      store_out<G_OUT, N>(out, v, mm, n);
+  store_tile(acc, m0, n0);
 #endif
-    }
-  }
 }

@@ -79,8 +79,10 @@ TILES = (16, 32, 64, 128)
 # rounded down to 8); five warps leave the instruction's limit.
 REG_LIMIT = {1: 255, 2: 168}
 # With a producer warpgroup (``producer_wg``) the consumers raise theirs with
-# setmaxnreg to this (CONSUMER_REGS in csrc/wgmma_ptx.cuh).
+# setmaxnreg to this (PWG_CONSUMER_REGS in csrc/fp8_wgmma.cu); the persistent
+# block-scaled kernel's producer keeps 8 more a thread.
 PWG_REG_LIMIT = 232
+PWG_REG_LIMIT_PERSISTENT_BLOCK = 224
 SMEM_MAX = 227 * 1024
 
 # ----------------------------------------------------------------------------
@@ -166,6 +168,10 @@ class WgmmaConfig:
         1 (two warpgroups only): the producer is a warpgroup that hands its
         registers to the consumers (setmaxnreg; :data:`PWG_REG_LIMIT` each),
         so the 128 x 128 tile of large M fits; 0: one producer warp.
+    persistent : int
+        1 (``split_k`` 1): a grid of as many CTAs as fit the SMs at once walks
+        the tiles, the producer loading the next tile's stages while the
+        consumers store this one's; 0: one CTA per tile.
     """
 
     tile_m: int = 64
@@ -174,6 +180,7 @@ class WgmmaConfig:
     split_k: int = 1
     chain: int = 1
     producer_wg: int = 0
+    persistent: int = 0
 
     def rows(self) -> int:
         return 64 * self.warpgroups
@@ -182,10 +189,13 @@ class WgmmaConfig:
         """The consumer warpgroups and the producer warp (warpgroup)."""
         return 128 * self.warpgroups + (128 if self.producer_wg else 32)
 
-    def register_limit(self) -> int:
+    def register_limit(self, block: bool = False) -> int:
         """Registers a consumer thread may hold: the launch's share of the
-        register file, or what setmaxnreg gives it with ``producer_wg``."""
-        return PWG_REG_LIMIT if self.producer_wg else REG_LIMIT.get(self.warpgroups, 0)
+        register file, or what setmaxnreg gives it with ``producer_wg``
+        (``block``: of the block-scaled kernel)."""
+        if not self.producer_wg:
+            return REG_LIMIT.get(self.warpgroups, 0)
+        return PWG_REG_LIMIT_PERSISTENT_BLOCK if self.persistent and block else PWG_REG_LIMIT
 
     def fragments(self) -> int:
         """Fragments in flight together (the kernel's FR): one per k32 step
@@ -210,15 +220,26 @@ class WgmmaConfig:
     def smem_bytes(self, k: int = 0, block: bool = False, quant: bool = False) -> int:
         """Dynamic shared memory: the stages (or the split-K partial tile),
         their two barriers each, with ``block`` each stage's activation scales
-        and the CTA's weight scales (``k`` the reduction length), and 1 KiB to
-        align the base for the 128-byte swizzle."""
+        and the CTA's weight scales (``k`` the reduction length; persistent: each
+        stage's weight scale in its slot), and 1 KiB to align the base for the
+        128-byte swizzle."""
         red = self.tile_m * self.rows() * 4 if self.split_k > 1 else 0
-        scales = self.stages * self.tile_m * 4 + (-(-k // KB) + 31) // 32 * 128 if block or quant else 0
+        if self.persistent:
+            scales = self.stages * (self.tile_m + 4) * 4 if block or quant else 0
+        else:
+            scales = self.stages * self.tile_m * 4 + (-(-k // KB) + 31) // 32 * 128 if block or quant else 0
         return max(self.stages * self.stage_bytes(quant), red) + 16 * self.stages + scales + 1024
 
-    def grid(self, n: int, m: int) -> tuple[int, int, int]:
+    def tiles(self, n: int, m: int) -> int:
+        """Output tiles of an ``m x n`` product."""
+        return -(-m // self.tile_m) * -(-n // self.rows())
+
+    def grid(self, n: int, m: int, resident: int = 0) -> tuple[int, int, int]:
         """(activation tiles, weight tiles, split_k): the activation tiles of a
-        weight tile run side by side and meet it in L2."""
+        weight tile run side by side and meet it in L2.  Persistent: (CTAs, 1,
+        1), one per tile up to ``resident``, the CTAs that fit the GPU at once."""
+        if self.persistent:
+            return (max(1, min(self.tiles(n, m), resident)), 1, 1)
         return (-(-m // self.tile_m), -(-n // self.rows()), self.split_k)
 
     def defines(self, n: int, k: int, out_dtype: torch.dtype, bias_dtype: torch.dtype | None,
@@ -230,13 +251,15 @@ class WgmmaConfig:
              "G_OUT": OUT_CODES[out_dtype], "G_BIAS": BIAS_CODES[bias_dtype]}
         if self.producer_wg:
             d["G_PWG"] = 1
+        if self.persistent:
+            d["G_PERSIST"] = 1
         if in_dtype is not None:
             d.update(G_QUANT=1, G_IN=IN_CODES[in_dtype])
         return d
 
     def short(self) -> str:
         return (f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}" + ("c4" if self.chain == 4 else "")
-                + ("p" if self.producer_wg else ""))
+                + ("p" if self.producer_wg else "") + ("r" if self.persistent else ""))
 
 
 def config_valid(cfg: WgmmaConfig, n: int, k: int, block: bool = False, quant: bool = False) -> tuple[bool, str]:
@@ -260,6 +283,11 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int, block: bool = False, quant: b
         return False, f"chain must be 1 or 4, got {cfg.chain}"
     if cfg.producer_wg not in (0, 1):
         return False, f"producer_wg must be 0 or 1, got {cfg.producer_wg}"
+    if cfg.persistent not in (0, 1):
+        return False, f"persistent must be 0 or 1, got {cfg.persistent}"
+    if cfg.persistent and (cfg.split_k != 1 or quant):
+        return False, (f"persistent needs split_k 1 and a kernel that does not quantize, got split_k={cfg.split_k}, "
+                       f"quant={quant}")
     if cfg.producer_wg and (cfg.warpgroups != 2 or quant):
         return False, (f"producer_wg needs two consumer warpgroups and a kernel that does not quantize, got "
                        f"warpgroups={cfg.warpgroups}, quant={quant}")
@@ -268,7 +296,7 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int, block: bool = False, quant: b
     nkb = -(-k // KB)
     if (cfg.split_k - 1) * -(-nkb // cfg.split_k) >= nkb:
         return False, f"split_k {cfg.split_k} leaves a cluster rank without any of the {nkb} K stages"
-    limit = cfg.register_limit()
+    limit = cfg.register_limit(block or quant)
     if cfg.registers(block or quant, quant) > limit:
         return False, (f"about {cfg.registers(block or quant, quant)} registers per thread, over the limit {limit} "
                        f"of {cfg.threads()} threads")
@@ -333,7 +361,7 @@ def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block: bo
     if cfg is None or not config_valid(cfg, n, k, block or quant)[0]:
         cfg = default_config(n, k, m, num_sms, block or quant)
     if quant:
-        if cfg.producer_wg:  # the quantizing kernel keeps one producer warp
+        if cfg.producer_wg or cfg.persistent:  # the quantizing kernel: one producer warp, one CTA a tile
             cfg = default_config(n, k, m, num_sms, True)
         fits = [c for c in (dataclasses.replace(cfg, stages=s) for s in range(cfg.stages, 1, -1))
                 if config_valid(c, n, k, True, True)[0]]
@@ -347,13 +375,15 @@ def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200, block
                       quant: bool = False) -> list[WgmmaConfig]:
     """The benchmark's sweep: the chosen config first, then every valid
     tile x warpgroups x stages x split x chain (x producer warpgroup, with
-    two warpgroups) point with one of two tiles: the two smallest that cover
-    M, or the largest two where at most one does."""
+    two warpgroups of 128-row tiles; x persistent, unsplit tiles of 64 rows
+    and more) point with one of two tiles: the two smallest that cover M, or
+    the largest two where at most one does."""
     first = choose_config(n, k, m, num_sms, block, quant)
     covering = [t for t in TILES if t >= m][:2]
     covering = covering if len(covering) == 2 else list(TILES[-2:])
-    found = [WgmmaConfig(t, g, s, sk, c, p) for c in (1, 4) for t in covering for g in (2, 1) for s in (4, 6, 8)
-             for sk in (1, 2, 4) for p in ((0, 1) if g == 2 and t == 128 else (0,))]
+    found = [WgmmaConfig(t, g, s, sk, c, p, r) for c in (1, 4) for t in covering for g in (2, 1) for s in (4, 6, 8)
+             for sk in (1, 2, 4) for p in ((0, 1) if g == 2 and t == 128 else (0,))
+             for r in ((0, 1) if sk == 1 and t >= 64 else (0,))]
     return [first, *[c for c in found if c != first and config_valid(c, n, k, block or quant, quant)[0]]]
 
 
@@ -385,6 +415,18 @@ def kernel_spec(n: int, k: int, cfg: WgmmaConfig, out_dtype: torch.dtype = torch
                                defines=cfg.defines(n, k, out_dtype, bias_dtype, block, in_dtype))
 
 
+def _grid(kern: jit.CudaKernel, cfg: WgmmaConfig, n: int, m: int, smem: int, dev: int) -> tuple[int, int, int]:
+    """The launch grid; a persistent config's holds the CTAs that fit the
+    GPU at once (the driver's occupancy calculator, cached per config)."""
+    if not cfg.persistent:
+        return cfg.grid(n, m)
+    per_sm = kern.max_active_blocks(cfg.threads(), smem, dev)  # raises the shared-memory limit first
+    if per_sm < 1:
+        raise RuntimeError(f"fp8_wgmma {cfg.short()}: expected a CTA of {cfg.threads()} threads and {smem} bytes "
+                           f"of dynamic shared memory to fit an SM, the driver says none does")
+    return cfg.grid(n, m, per_sm * sm_count(dev))
+
+
 def _scale_step(scale: torch.Tensor, kind: str) -> int:
     """Elements between consecutive row / column scales (0: one for all)."""
     return 0 if kind == f8.TENSOR else int(scale.stride(0) if scale.dim() == 1 or kind == f8.TOKEN
@@ -408,10 +450,11 @@ def launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: tor
     spec = kernel_spec(n, k, cfg, out.dtype, None if bias is None else bias.dtype)
     a_map = jit.tensor_map_2d(a.data_ptr(), 1, k, m, a.stride(0), KB, cfg.tile_m, 128)
     b_map = jit.tensor_map_2d(b.data_ptr(), 1, k, n, b.stride(0), KB, cfg.rows(), 128)
-    spec.kernel().launch(cfg.grid(n, m), cfg.threads(),
-                         (a_map, b_map, scale_a, ctypes.c_int(_scale_step(scale_a, kind_a)),
-                          scale_b, ctypes.c_int(_scale_step(scale_b, kind_b)), bias, out, ctypes.c_int(m)),
-                         device=a.device, shared_mem=cfg.smem_bytes(), pdl=pdl(a.device))
+    kern, smem = spec.kernel(), cfg.smem_bytes()
+    kern.launch(_grid(kern, cfg, n, m, smem, dev), cfg.threads(),
+                (a_map, b_map, scale_a, ctypes.c_int(_scale_step(scale_a, kind_a)),
+                 scale_b, ctypes.c_int(_scale_step(scale_b, kind_b)), bias, out, ctypes.c_int(m)),
+                device=a.device, shared_mem=smem, pdl=pdl(a.device))
     return out
 
 
@@ -462,11 +505,11 @@ def launch_block(a: torch.Tensor, b: torch.Tensor, a_scales: torch.Tensor, b_sca
     spec = kernel_spec(n, k, cfg, out.dtype, None, True)
     a_map = jit.tensor_map_2d(a.data_ptr(), 1, k, m, a.stride(0), KB, cfg.tile_m, 128)
     b_map = jit.tensor_map_2d(b.data_ptr(), 1, k, n, b.stride(0), KB, cfg.rows(), 128)
-    spec.kernel().launch(cfg.grid(n, m), cfg.threads(),
-                         (a_map, b_map, a_scales, ctypes.c_int(a_scales.stride(0)), ctypes.c_int(a_scales.stride(1)),
-                          b_scales, ctypes.c_int(b_scales.stride(0)), ctypes.c_int(b_scales.stride(1)), out,
-                          ctypes.c_int(m)),
-                         device=a.device, shared_mem=cfg.smem_bytes(k, True), pdl=pdl(a.device))
+    kern, smem = spec.kernel(), cfg.smem_bytes(k, True)
+    kern.launch(_grid(kern, cfg, n, m, smem, dev), cfg.threads(),
+                (a_map, b_map, a_scales, ctypes.c_int(a_scales.stride(0)), ctypes.c_int(a_scales.stride(1)),
+                 b_scales, ctypes.c_int(b_scales.stride(0)), ctypes.c_int(b_scales.stride(1)), out, ctypes.c_int(m)),
+                device=a.device, shared_mem=smem, pdl=pdl(a.device))
     return out
 
 

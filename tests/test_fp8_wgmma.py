@@ -87,6 +87,11 @@ def _instances():
     out[(7168, 16384, fw.WgmmaConfig(128, 2, 6, 1, 4, 1), BF16, None, True, None)] = None
     out[(1040, 4112, fw.WgmmaConfig(128, 2, 4, 2, 4, 1), F32, None, True, None)] = None
     out[(4096, 4096, fw.WgmmaConfig(128, 2, 4, 2, 1, 1), F32, BF16, False, None)] = None
+    # persistent: the tile loop around the ring (block-scaled: each stage's weight scale in its slot)
+    out[(7168, 16384, fw.WgmmaConfig(128, 2, 6, 1, 4, 1, 1), BF16, None, True, None)] = None
+    out[(1040, 1040, fw.WgmmaConfig(64, 1, 8, 1, 4, 0, 1), F16, None, True, None)] = None
+    out[(4096, 4096, fw.WgmmaConfig(128, 2, 4, 1, 1, 1, 1), F32, BF16, False, None)] = None
+    out[(208, 4112, fw.WgmmaConfig(64, 2, 6, 1, 1, 0, 1), BF16, F32, False, None)] = None
     for n, k in LLAMA8B + DSV3:
         for m in (1, 16, 64, 128):
             out[(n, k, fw.choose_config(n, k, m, block=True, quant=True), BF16, None, True, BF16)] = None
@@ -152,6 +157,9 @@ def test_kernel_rejects_bad_defines():
     (fw.WgmmaConfig(tile_m=128, warpgroups=2, producer_wg=1), 64, 128, "ok"),
     (fw.WgmmaConfig(tile_m=128, warpgroups=1, producer_wg=1), 64, 128, "two consumer warpgroups"),
     (fw.WgmmaConfig(producer_wg=2), 64, 128, "producer_wg must be 0 or 1"),
+    (fw.WgmmaConfig(persistent=1), 64, 128, "ok"),
+    (fw.WgmmaConfig(split_k=2, persistent=1), 64, 4096, "persistent needs split_k 1"),
+    (fw.WgmmaConfig(persistent=2), 64, 128, "persistent must be 0 or 1"),
     ("m64", 64, 128, "WgmmaConfig"),
 ])
 def test_config_predicate(cfg, n, k, why):
@@ -170,6 +178,34 @@ def test_block_config_predicate(cfg, why):
     ok, reason = fw.config_valid(cfg, 7168, 16384, block=True)
     assert why in reason and ok == (why == "ok"), reason
     assert fw.config_valid(cfg, 7168, 16384)[0]  # the same config without block scales fits
+
+
+def test_persistent_config_grid_smem_registers(monkeypatch):
+    """A persistent config launches min(tiles, resident CTAs) along x; its
+    block-scaled kernel keeps each stage's weight scale in the stage's slot
+    (no per-CTA K range of them) and, with a producer warpgroup, gives the
+    consumers 224 registers; the quantizing kernel has no persistent form."""
+    cfg = fw.WgmmaConfig(128, 2, 4, 1, 4, 1, 1)
+    assert cfg.short() == "m128g2s4k1c4pr"
+    assert cfg.tiles(7168, 4096) == 32 * 56
+    assert cfg.grid(7168, 4096, 132) == (132, 1, 1)
+    assert cfg.grid(200, 3, 132) == (2, 1, 1)
+    assert dataclasses.replace(cfg, persistent=0).grid(7168, 4096, 132) == (32, 56, 1)
+    flat = dataclasses.replace(cfg, persistent=0)
+    assert cfg.smem_bytes(16384, True) == flat.smem_bytes(16384, True) - (128 + 31) // 32 * 128 + 4 * 4 * 4
+    assert cfg.smem_bytes(16384) == flat.smem_bytes(16384)
+    assert cfg.register_limit(True) == fw.PWG_REG_LIMIT_PERSISTENT_BLOCK == 224
+    assert cfg.register_limit(False) == flat.register_limit(True) == fw.PWG_REG_LIMIT
+    ok, why = fw.config_valid(cfg, 7168, 16384, block=True, quant=True)
+    assert not ok and "does not quantize" in why
+    fw.choose_config.cache_clear()
+    monkeypatch.setattr(fw, "tuned", lambda *a: cfg)  # a measured persistent row
+    try:
+        assert fw.choose_config(7168, 16384, 4096, block=True) == cfg
+        quant = fw.choose_config(7168, 16384, 4096, block=True, quant=True)
+        assert not quant.persistent and fw.config_valid(quant, 7168, 16384, True, True)[0]
+    finally:
+        fw.choose_config.cache_clear()
 
 
 def test_producer_warpgroup_is_not_for_the_quantizing_kernel(monkeypatch):
@@ -631,6 +667,33 @@ def test_gpu_block_every_candidate_config(m):
     a, b, sa, sb = _block_operands(m, n, k)
     for cfg in fw.candidate_configs(n, k, m, block=True):
         _block_check(_block_run(a, b, sa, sb, cfg=cfg), a, b, sa, sb, BF16, cfg.chain)
+
+
+@requires_sm90
+@pytest.mark.parametrize("block", [False, True])
+def test_gpu_persistent_matches_one_cta_per_tile_bitwise(block):
+    """Persistent grids, where CTAs take two or more tiles each and the ring
+    runs on from one tile to the next (M = 1023, N = 4160: 264-1040 tiles),
+    write every tile bit for bit as the same config with one CTA a tile does;
+    one of them against float64."""
+    m, n, k = 1023, 4160, 1040
+    if block:
+        a, b, sa, sb = _block_operands(m, n, k)
+        run = lambda cfg: _block_run(a, b, sa, sb, cfg=cfg)  # noqa: E731
+    else:
+        a, b, sa, sb = _operands(m, n, k)
+        run = lambda cfg: _run(a, b, sa, sb, cfg=cfg)  # noqa: E731
+    cfgs = [c for c in fw.candidate_configs(n, k, m, block=block) if c.persistent]
+    assert len(cfgs) >= 8 and any(c.producer_wg for c in cfgs) and any(c.warpgroups == 1 for c in cfgs)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cfg in cfgs:
+        assert cfg.tiles(n, m) > sms
+        out = run(cfg)
+        assert torch.equal(out, run(dataclasses.replace(cfg, persistent=0))), cfg.short()
+    if block:
+        _block_check(out, a, b, sa, sb, BF16, cfgs[-1].chain)
+    else:
+        _check(out, a, b, sa, sb, None, BF16, cfgs[-1].chain)
 
 
 @requires_sm90
