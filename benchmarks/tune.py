@@ -183,6 +183,27 @@ def build_table(ranked: dict[tuple[int, int], dict[int, list[tuple[str, float]]]
     return table
 
 
+def keep_smaller_rows(old: dict[str, list], new: dict[str, list],
+                      ranked: dict[tuple[int, int], dict[int, list[tuple[str, float]]]]) -> dict[str, list]:
+    """``new``'s rows, each shape's preceded by its ``old`` rows that end
+    below the smallest M swept for it (``"*"``: swept for any shape), so a
+    sweep of large M leaves the small-M rows of the table in place.
+
+    Examples
+    --------
+    >>> old = {"64x128": [[16, ["a"]], [256, ["b"]], [4096, ["b"]]]}
+    >>> keep_smaller_rows(old, {"64x128": [[2147483647, ["c"]]]}, {(64, 128): {512: [], 4096: []}})
+    {'64x128': [[16, ['a']], [256, ['b']], [2147483647, ['c']]]}
+    """
+    smallest = {f"{n}x{k}": min(points) for (n, k), points in ranked.items()}
+    smallest["*"] = min(smallest.values(), default=0)
+    out = {}
+    for shape, rows in new.items():
+        below = [r for r in old.get(shape, []) if r[0] < smallest.get(shape, 0)]
+        out[shape] = below + [r for r in rows if not below or r[0] > below[-1][0]]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("csv", help="benchmark CSV (python -m benchmarks <family> ... writes <out>/<family>.csv)")
@@ -202,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel", help="write a kernel's tuned configs instead (scaledmm/tuning/kernels/"
                    "<kernel>_<arch>.json) from a sweep of its configs: see benchmarks/tune_kernel.py")
     p.add_argument("--keep-smaller-m", action="store_true",
-                   help="with --kernel: a swept shape keeps its rows that end below the sweep's smallest M")
+                   help="a swept shape keeps its rows that end below the sweep's smallest M (a large-M "
+                        "sweep merged into the table)")
     args = p.parse_args(argv)
     with open(args.csv, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -232,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = f" --op {args.op} --op-rows" if args.op_rows else ""
     flags += f" --variant {args.variant}" if args.variant else ""
     flags += " --any-shape" if args.any_shape else ""
+    flags += " --keep-smaller-m" if args.keep_smaller_m else ""
     line = f"python -m benchmarks.tune {Path(args.csv).name}{flags}; {source}"
     data = {"family": args.family, "arch": args.arch, "source": line.rstrip("; ")}
     data.update({"op_shapes": {key: table}} if args.op_rows else {"shapes": table})
@@ -240,8 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         # The swept shapes (and "*" with --any-shape) replace their rows; other shapes keep theirs.
         if args.op_rows:
             ops = old.get("op_shapes", {})
+            if args.keep_smaller_m:
+                table = keep_smaller_rows(ops.get(key, {}), table, ranked)
             data = {**old, "source": data["source"], "op_shapes": {**ops, key: {**ops.get(key, {}), **table}}}
         else:
+            if args.keep_smaller_m:
+                table = keep_smaller_rows(old.get("shapes", {}), table, ranked)
             data = {**old, "source": data["source"], "shapes": {**old.get("shapes", {}), **table}}
         if "order" in data:  # a policy file: rows naming a backend its order lacks fail here
             from scaledmm import policy

@@ -23,7 +23,9 @@ of a cluster (DSMEM, rank order): deterministic, no workspace, CUDA-graph
 safe.  Two warpgroups of 128-row tiles with the block scales need more
 registers than nine warps leave a thread: ``producer_wg`` makes the
 producer a warpgroup that hands its registers to the consumers (the
-large-M tile; no measured table row uses it yet).  Where it runs instead of
+large-M tile).  ``persistent`` launches only the CTAs that fit the GPU at
+once; each walks tiles in bands that share operand panels in L2, its
+producer loading the next tile while the consumers store this one.  Where it runs instead of
 cuBLAS, CUTLASS or the Triton GEMMs is measured
 (``scaledmm/tuning/fp8_sm90.json``, ``fp8_block_sm90.json``);
 ``fp8_linear`` / ``fp8_block_linear`` reach it through their composites

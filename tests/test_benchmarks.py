@@ -368,6 +368,42 @@ def test_tune_op_rows_go_to_op_shapes_and_keep_the_family_rows(tmp_path):
     assert "--op fp8_block_linear --op-rows" in data["source"]
 
 
+@pytest.mark.parametrize("op_rows", [True, False])
+def test_tune_keep_smaller_m_merges_a_large_m_sweep(tmp_path, op_rows):
+    """--keep-smaller-m: a sweep of M >= 512 replaces the swept shape's rows
+    from there on and keeps those ending below 512, for the shape and for
+    '*' (--any-shape); a shape the sweep lacks keeps all.  The op's own rows
+    (--op-rows) or the family's."""
+    from benchmarks import tune
+
+    path = tmp_path / "fp8_block.csv"
+    rows = [{"op": "fp8_block_mm", "n": str(n), "k": str(k), "m": str(m), "provider": prov, "kind": "ours",
+             "status": "ok", "median_us": str(us)}
+            for n, k in ((2112, 7168), (7168, 2048))
+            for m, prov, us in ((512, "cuda_wgmma", 50.0), (512, "cublas", 60.0),
+                                (4096, "cuda_wgmma", 400.0), (4096, "cublas", 300.0))]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    out = tmp_path / "fp8_block_sm90.json"
+    small = [[16, ["cuda_wgmma", "cublas"]], [256, ["triton", "cublas"]], [1024, ["triton", "cublas"]],
+             [tune.LAST_M, ["cublas", "triton"]]]
+    shipped = {"family": "fp8_block", "arch": "sm90", "order": ["cuda_wgmma", "cublas", "triton", "reference"],
+               "shapes": {"2112x7168": small, "*": small, "576x7168": small}}
+    if op_rows:
+        shipped["op_shapes"] = {"fp8_block_mm": shipped.pop("shapes")}
+    out.write_text(json.dumps(shipped))
+    flags = ["--op-rows"] if op_rows else []
+    assert tune.main([str(path), *flags, "--any-shape", "--keep-smaller-m", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    data = doc["op_shapes"]["fp8_block_mm"] if op_rows else doc["shapes"]
+    merged = small[:2] + [[512, ["cuda_wgmma", "cublas"]], [tune.LAST_M, ["cublas", "cuda_wgmma"]]]
+    assert data["2112x7168"] == data["*"] == merged
+    assert data["7168x2048"] == merged[2:] and data["576x7168"] == small
+    assert "--keep-smaller-m" in doc["source"]
+
+
 def test_tune_unaligned_points_get_their_own_rows_only_where_they_differ():
     from benchmarks import tune
 
