@@ -145,6 +145,8 @@ CASES: tuple[Case, ...] = (
          "M40 N200 K768, strided x", csrc=True),
     Case("nvfp4_wgmma_pwg", "nvfp4_mm cuda_wgmma, one 256-row tile over two warpgroups, a producer warpgroup "
          "handing them its registers (setmaxnreg), K split over a 2-CTA cluster", "M100 N200 K768", csrc=True),
+    Case("nvfp4_wgmma_persistent", "nvfp4_mm cuda_wgmma, persistent grid: 165 tiles of 128 x 64, CTAs taking two, "
+         "the ring running on from tile to tile", "M600 N2100 K768", csrc=True),
     Case("fp8_wgmma_split", "fp8_scaled_mm cuda_wgmma (csrc/fp8_wgmma.cu: TMA ring, producer warp, e4m3 wgmma), "
          "two 64-row tiles, one warpgroup, K split over a 2-CTA cluster", "M100 N208 K1040", csrc=True),
     Case("fp8_wgmma_two_wg", "fp8_scaled_mm cuda_wgmma, two 64-row tiles, two warpgroups (two k32 groups a stage)",
@@ -156,6 +158,11 @@ CASES: tuple[Case, ...] = (
          "M100 N208 K1040", csrc=True),
     Case("fp8_wgmma_block_pwg", "fp8_block_mm cuda_wgmma, 128 x 128 tile: a producer warpgroup hands registers "
          "to two consumer warpgroups (setmaxnreg), K split over a 2-CTA cluster", "M100 N208 K1040", csrc=True),
+    Case("fp8_wgmma_persistent", "fp8_scaled_mm cuda_wgmma, persistent grid: 272 tiles of 64 x 64, CTAs taking two "
+         "or more, the ring running on from tile to tile", "M1000 N1040 K1040", csrc=True),
+    Case("fp8_wgmma_block_persistent", "fp8_block_mm cuda_wgmma, persistent grid of 128 x 128 tiles with a producer "
+         "warpgroup, each stage's weight scale copied beside its activation scales (144 tiles)", "M1000 N2208 K1040",
+         csrc=True),
     Case("fp8_wgmma_linear", "fp8_block_linear cuda_wgmma (G_QUANT: bf16 rows by TMA, quantized by the consumers "
          "into the swizzled e4m3 slot, async-proxy fence, named barrier), one warpgroup, K split over 2 CTAs",
          "M100 N208 K1152", csrc=True),

@@ -415,20 +415,22 @@ def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, rows: int | None = None, backend: str
     return close(out, ref, 1e-2, first)
 
 
-def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool, pwg: bool = False):
+def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool, pwg: bool = False, persistent: bool = False):
     """cuda_wgmma (csrc/nvfp4_wgmma.cu: TMA ring, producer warp, wgmma): W4A4
     at M = 100 in two 64-row tiles with K split over a 2-CTA cluster (``pwg``:
     one 256-row tile, two warpgroups fed by a producer warpgroup that gives
     them its registers), or W4A16 with a strided bf16 activation at M = 40 in
     one 32-row-padded tile (N = 200: a partial weight tile; rows past M and N
-    arrive as TMA zeros)."""
+    arrive as TMA zeros).  ``persistent``: W4A4 at M = 600, N = 2100 in
+    128 x 64 tiles (one warpgroup) on a persistent grid: 165 tiles, so some
+    CTAs take two, the ring running on between them."""
     import torch
 
     from scaledmm.ops import nvfp4 as nv
     from scaledmm.ops import nvfp4_triton_decode as nd
     from scaledmm.ops import nvfp4_wgmma as wg
 
-    m, n, k = (40 if w4a16 else 100), GEMV_MNK[1], 768
+    m, n, k = (40 if w4a16 else 600 if persistent else 100), (2100 if persistent else GEMV_MNK[1]), 768
     _, qb, sb, gb = _nvfp4_quantized(ctx, n, k)
     qb_d, sb_d = qb.to(ctx.dev), sb.to(ctx.dev)
     if w4a16:
@@ -445,7 +447,8 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool, pwg: bool = False):
     alpha = (1.0 / (ga * gb)).float()
     a_d, sa_d, al_d = qa.to(ctx.dev), sa.to(ctx.dev), alpha.to(ctx.dev)
     need_backend("nvfp4", "cuda_wgmma", nv.mm_problem(a_d, qb_d, torch.bfloat16, None))
-    cfg = wg.WgmmaConfig(256, 2, 4, 2, 1) if pwg else wg.WgmmaConfig(64, 2, 4, 2)
+    cfg = (wg.WgmmaConfig(256, 2, 4, 2, 1) if pwg else wg.WgmmaConfig(128, 1, 4, 1, 0, 1) if persistent
+           else wg.WgmmaConfig(64, 2, 4, 2))
     first, out = ctx.twice(lambda: wg.launch(nd.dequant(a_d, sa_d, torch.float16, permute_k=True), qb_d, sb_d, al_d, None,
                                              nv.mm_output(a_d, qb_d, torch.bfloat16), cfg))
     ref = (nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t()) * float(alpha)
@@ -749,6 +752,7 @@ CHILD_CASES = {
     "nvfp4_wgmma_w4a4": lambda ctx: case_nvfp4_wgmma(ctx, False),
     "nvfp4_wgmma_w4a16": lambda ctx: case_nvfp4_wgmma(ctx, True),
     "nvfp4_wgmma_pwg": lambda ctx: case_nvfp4_wgmma(ctx, False, True),
+    "nvfp4_wgmma_persistent": lambda ctx: case_nvfp4_wgmma(ctx, False, persistent=True),
     "nvfp4_decode_cublas": case_nvfp4_decode_cublas,
     "nvfp4_decode_cublaslt": case_nvfp4_decode_cublas,
     "fp8_wgmma_split": lambda ctx: case_fp8_wgmma(ctx, True),

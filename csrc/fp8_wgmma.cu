@@ -171,7 +171,6 @@ constexpr int THREADS_ALL = THREADS + (G_PWG ? 128 : 32);  // + the producer war
 constexpr int KB = 128;  // K per stage: one 128-byte swizzle row of e4m3
 constexpr int NKB = (K + KB - 1) / KB;
 constexpr int TILES_N = (N + BN - 1) / BN;
-constexpr int GROUP_M = 8;  // G_PERSIST: activation tiles per band
 constexpr int ACC = BT / 2;  // fp32 accumulators per thread (m64 x BT over 128 threads)
 constexpr int CHAIN = G_CHAIN;
 // Fragments in flight together: with CHAIN 1 each k32 step its own (the
@@ -287,17 +286,6 @@ __device__ __forceinline__ void quantize_stage(u32 stg, u32 xq, float* sa_slot, 
   // The codes are read by wgmma (the async proxy); the scales by every consumer.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
-}
-
-// G_PERSIST: the origin of tile t.  Bands of GROUP_M activation tiles; in a
-// band, the activation tiles of one weight tile are consecutive.
-__device__ __forceinline__ void tile_origin(int t, int tiles_m, int& m0, int& n0) {
-  const int band = t / (GROUP_M * TILES_N);
-  const int first = band * GROUP_M;
-  const int rows = tiles_m - first < GROUP_M ? tiles_m - first : GROUP_M;
-  const int r = t - band * GROUP_M * TILES_N;
-  m0 = (first + r % rows) * BT;
-  n0 = (r / rows) * BN;
 }
 
 __device__ __forceinline__ void add(float (&acc)[ACC], const float (&d)[ACC]) {
@@ -502,7 +490,7 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
       u32 parity = 1;
       for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         int tm0, tn0;
-        tile_origin(t, tiles_m, tm0, tn0);
+        tile_origin<BT, BN, N>(t, tiles_m, tm0, tn0);
         for (int i = 0; i < nk; ++i) {
           load_stage(slot, parity, i, tm0, tn0);
           slot = slot + 1 == STAGES ? 0 : slot + 1;
@@ -538,7 +526,7 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
 #if G_PERSIST
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       int tm0, tn0;
-      tile_origin(t, tiles_m, tm0, tn0);
+      tile_origin<BT, BN, N>(t, tiles_m, tm0, tn0);
       float acc[ACC];
 #pragma unroll
       for (int i = 0; i < ACC; ++i) acc[i] = 0.f;

@@ -22,6 +22,8 @@
 //                256-row tiles (128 accumulators each) fit
 //   W_SPLIT      CTAs per cluster along K (1, 2, 4); partial tiles added
 //                through distributed shared memory in rank order
+//   W_PERSIST    1 (with W_SPLIT 1): a persistent grid of about one CTA per
+//                SM slot walks the tiles (fp8_wgmma.cu's G_PERSIST)
 //   W_ACT        1: fp16 operands, 2: bf16 operands
 //   W_OUT_F16, W_BIAS   output dtype; bias none / fp32 / bf16 / fp16 (0-3)
 //
@@ -56,6 +58,11 @@
 //    rounding.  Split K: each rank's fp32 tile to its shared memory, rank 0
 //    adds ranks 1.. in order.  Deterministic, no workspace, no atomics,
 //    CUDA-graph safe (the tensor maps are kernel parameters, captured by value).
+//  * W_PERSIST: CTA c takes tiles c, c + gridDim.x, ... in bands that share
+//    operand panels in L2 (wgmma_ptx.cuh, tile_origin); the ring's slots
+//    and phases run on from tile to tile, so the producer loads the next
+//    tile's stages while the consumers finish and store this one.  Each
+//    consumer warp releases a tile's last slot once its MMAs have retired.
 //  * Programmatic dependent launch (a no-op without it): after the barrier
 //    set-up every thread waits for the previous grid (griddepcontrol.wait)
 //    before any TMA load or global write, then lets the next grid launch.
@@ -92,6 +99,9 @@
 #endif
 #ifndef W_PWG
 #define W_PWG 0
+#endif
+#ifndef W_PERSIST
+#define W_PERSIST 0
 #endif
 
 // Experiments only (benchmarks/experiments/nvfp4_wgmma.py): 1 feeds the raw
@@ -146,6 +156,7 @@ static_assert(W_PWG == 0 || (W_PWG == 1 && WGS == 2), "W_PWG 1 needs W_WG 2");
 static_assert(WGS == 1 || WGS == 2, "W_WG must be 1 or 2");
 static_assert(STAGES >= 4 && STAGES <= 8, "W_ST must be 4..8");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "W_SPLIT must be 1, 2 or 4");
+static_assert(W_PERSIST == 0 || (W_PERSIST == 1 && SPLIT == 1), "W_PERSIST 1 needs W_SPLIT 1");
 
 __device__ __forceinline__ u32 lds32(u32 addr) {
   u32 r;
@@ -321,8 +332,9 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], const u32 (&a)[4][4
 #define W_CLUSTER
 #endif
 
-// grid (ceil(m / BT), ceil(N / BN), SPLIT), block 128 * WG + 32 (W_PWG: + 128), dynamic
-// shared memory wg::SMEM_BYTES, clusters of (1, 1, SPLIT).  tmap_x: the
+// grid (ceil(m / BT), ceil(N / BN), SPLIT) (W_PERSIST: (CTAs, 1, 1), any number),
+// block 128 * WG + 32 (W_PWG: + 128), dynamic shared memory wg::SMEM_BYTES,
+// clusters of (1, 1, SPLIT).  tmap_x: the
 // activation [m, K] (16-bit, box 64 x BT, 128-byte swizzle); tmap_w: the
 // packed weight [N, K / 2] (bytes, box 32 x BN, 32-byte swizzle); both
 // zero-fill rows past m / N; tmap_s: the swizzled scales as rows of 256 bytes
@@ -344,12 +356,32 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
 #else
   const bool producer = warp_all == 4 * WGS;  // the warp after the consumer warpgroups
 #endif
+#if W_PERSIST
+  const int tiles_m = (m + BT - 1) / BT;
+  const int tiles = tiles_m * ((N + BN - 1) / BN);
+#else
   const int m0 = blockIdx.x * BT;
   const int n0 = blockIdx.y * BN;
+#endif
 
   int kb0;
   const int nk = stage_range<NKB, SPLIT>(kb0);
   ring_init<STAGES>(bars, 4 * WGS);
+
+  // One tile's output from its accumulators: alpha 2^P acc (+ bias).
+  auto store_tile = [&](const float (&tacc)[ACC], int tm0, int tn0) {
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int wgi = tid >> 7;
+    const int warp = (tid >> 5) & 3;
+    const float alpha = *alpha_ptr;
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) {
+      const int n = tn0 + wgi * 64 + warp * 16 + g + ((i >> 1) & 1) * 8;
+      const int mm = tm0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
+      if (n < N && mm < m) store_scaled<W_BIAS, W_OUT_F16 != 0, N>(out, bias, DECODE_POW, alpha, mm, n, tacc[i]);
+    }
+  };
 
   // With W_PWG the producers return after their loop (their 40 registers
   // must not hold the accumulators) and the consumers' branch follows it;
@@ -358,23 +390,43 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
   if (producer) {
     producer_registers();
 #else
+#if !W_PERSIST
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+#endif
 
   if (producer) {
 #endif
     if (tid == 4 * WGS * 32) {
+#if W_PERSIST
+      int slot = 0;
+      u32 parity = 1;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        int m0, n0;
+        tile_origin<BT, BN, N>(t, tiles_m, m0, n0);
+#endif
       const int atom0 = (n0 >> 7) * NKB + kb0;  // the stage's 512-byte scale atom: rows 2a, 2a + 1 of tmap_s
       for (int i = 0; i < nk; ++i) {
+#if W_PERSIST
+        mbar_wait(bars + 8 * (STAGES + slot), parity);  // the slot's last readers are done
+#else
         const int slot = i % STAGES;
         mbar_wait(bars + 8 * (STAGES + slot), ((i / STAGES) & 1) ^ 1);  // the slot's last readers are done
+#endif
         const u32 full = bars + 8 * slot, base = smem0 + slot * STAGE_BYTES;
         mbar_expect_tx(full, STAGE_TX);
         tma_2d(base, &tmap_x, (kb0 + i) * KB, m0, full);
         tma_2d(base + X_BYTES, &tmap_w, (kb0 + i) * (KB / 2), n0, full);
         tma_2d(base + X_BYTES + W_BYTES, &tmap_s, 0, 2 * (atom0 + i), full);
+#if W_PERSIST
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
+        parity ^= slot == 0;
+#endif
       }
+#if W_PERSIST
+      }
+#endif
     }
     __syncwarp();
 #if W_PWG
@@ -384,9 +436,11 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
     return;
   }
   consumer_registers();
+#if !W_PERSIST
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+#endif
   {
 #else
   } else {
@@ -401,6 +455,15 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
     // 32-byte swizzle swaps on every other group of four rows
     const u32 w_off0 = X_BYTES + r0 * 32 + (((((u32)r0 >> 2) & 1u) ^ ((u32)t4 >> 1)) << 4) + (((u32)t4 & 1u) << 3);
     const u32 w_off1 = X_BYTES + r1 * 32 + (((((u32)r1 >> 2) & 1u) ^ ((u32)t4 >> 1)) << 4) + (((u32)t4 & 1u) << 3);
+#if W_PERSIST
+    u32 slot = 0, phase = 0, prev = STAGES - 1;  // run on from tile to tile
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      int m0, n0;
+      tile_origin<BT, BN, N>(t, tiles_m, m0, n0);
+      float acc[ACC];
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+#endif
     const int ar0 = (n0 + r0) & 127, ar1 = (n0 + r1) & 127;
     const u32 s_off0 = X_BYTES + W_BYTES + ((ar0 & 31) << 4) + ((ar0 >> 5) << 2);
     const u32 s_off1 = X_BYTES + W_BYTES + ((ar1 & 31) << 4) + ((ar1 >> 5) << 2);
@@ -411,7 +474,9 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
     const u32 w0 = smem0 + w_off0, w1 = smem0 + w_off1, s0 = smem0 + s_off0, s1 = smem0 + s_off1;
     const u64 desc0 = smem_desc(smem0);
     u32 a0[4][4], a1[4][4];
+#if !W_PERSIST
     u32 slot = 0, phase = 0, prev = STAGES - 1;
+#endif
     for (int it = 0; it < nk; it += 2) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -437,24 +502,22 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
     }
     wgmma_wait<0>();
     pin(acc);
+#if W_PERSIST
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));  // the tile's last slot has retired
+      store_tile(acc, m0, n0);
+    }
+    return;
+#endif
   }
 
+#if !W_PERSIST
 #if W_SPLIT > 1
   if (!cluster_reduce<ACC, THREADS, SPLIT>(acc, smem0, tid, W_PWG || !producer)) return;
 #endif
 #if !W_PWG
   if (producer) return;
 #endif
-
-  const int g = lane >> 2;
-  const int t4 = lane & 3;
-  const int wgi = tid >> 7;
-  const int warp = (tid >> 5) & 3;
-  const float alpha = *alpha_ptr;
-#pragma unroll
-  for (int i = 0; i < ACC; ++i) {
-    const int n = n0 + wgi * 64 + warp * 16 + g + ((i >> 1) & 1) * 8;
-    const int mm = m0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
-    if (n < N && mm < m) store_scaled<W_BIAS, W_OUT_F16 != 0, N>(out, bias, DECODE_POW, alpha, mm, n, acc[i]);
-  }
+  store_tile(acc, m0, n0);
+#endif
 }

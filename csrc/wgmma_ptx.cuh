@@ -59,6 +59,23 @@ __device__ __forceinline__ int stage_range(int& kb0) {
   return nk < 0 ? 0 : nk;
 }
 
+// A persistent grid's tile t -> its origin (m0, n0) in an m x N output of
+// BT x BN tiles (tiles_m = ceil(m / BT)).  Bands of GROUP_M activation
+// tiles; in a band the activation tiles of one weight tile are consecutive,
+// so the CTAs running at once read a few panels of each operand through L2.
+constexpr int GROUP_M = 8;
+
+template <int BT, int BN, int N>
+__device__ __forceinline__ void tile_origin(int t, int tiles_m, int& m0, int& n0) {
+  constexpr int TILES_N = (N + BN - 1) / BN;
+  const int band = t / (GROUP_M * TILES_N);
+  const int first = band * GROUP_M;
+  const int rows = tiles_m - first < GROUP_M ? tiles_m - first : GROUP_M;
+  const int r = t - band * GROUP_M * TILES_N;
+  m0 = (first + r % rows) * BT;
+  n0 = (r / rows) * BN;
+}
+
 // The ring's barriers at ``bars``: full[s] (``full_arrivals``: the
 // producer's expect_tx, and any copies that arrive on it), then empty[s] (one
 // arrival per consumer warp); then the programmatic-dependent-launch wait (no

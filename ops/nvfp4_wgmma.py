@@ -123,6 +123,10 @@ class WgmmaConfig:
         1 (two warpgroups only): the producer is a warpgroup that hands its
         registers to the consumers (setmaxnreg; :data:`PWG_REG_LIMIT`
         each), so two warpgroups of 256-row tiles fit; 0: one producer warp.
+    persistent : int
+        1 (``split_k`` 1): a grid of as many CTAs as fit the SMs at once walks
+        the tiles, the producer loading the next tile's stages while the
+        consumers store this one's; 0: one CTA per tile.
     """
 
     tile_m: int = 128
@@ -130,6 +134,7 @@ class WgmmaConfig:
     stages: int = 4
     split_k: int = 1
     producer_wg: int = 0
+    persistent: int = 0
 
     def rows(self) -> int:
         return 64 * self.warpgroups
@@ -164,9 +169,16 @@ class WgmmaConfig:
         red = self.tile_m * self.rows() * 4 if self.split_k > 1 else 0
         return max(self.stages * self.stage_bytes(), red) + 16 * self.stages + 1024
 
-    def grid(self, n: int, m: int) -> tuple[int, int, int]:
+    def tiles(self, n: int, m: int) -> int:
+        """Output tiles of an ``m x n`` product."""
+        return -(-m // self.tile_m) * -(-n // self.rows())
+
+    def grid(self, n: int, m: int, resident: int = 0) -> tuple[int, int, int]:
         """(activation tiles, weight tiles, split_k): the activation tiles of a
-        weight tile run side by side and meet it in L2."""
+        weight tile run side by side and meet it in L2.  Persistent: (CTAs, 1,
+        1), one per tile up to ``resident``, the CTAs that fit the GPU at once."""
+        if self.persistent:
+            return (max(1, min(self.tiles(n, m), resident)), 1, 1)
         return (-(-m // self.tile_m), -(-n // self.rows()), self.split_k)
 
     def defines(self, n: int, k: int, out_dtype: torch.dtype, bias_dtype: torch.dtype | None,
@@ -176,10 +188,13 @@ class WgmmaConfig:
              "W_OUT_F16": int(out_dtype == torch.float16), "W_BIAS": gv.BIAS_CODES[bias_dtype]}
         if self.producer_wg:
             d["W_PWG"] = 1
+        if self.persistent:
+            d["W_PERSIST"] = 1
         return d
 
     def short(self) -> str:
-        return f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}" + ("p" if self.producer_wg else "")
+        return (f"m{self.tile_m}g{self.warpgroups}s{self.stages}k{self.split_k}" + ("p" if self.producer_wg else "")
+                + ("r" if self.persistent else ""))
 
 
 def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
@@ -199,6 +214,10 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
         return False, f"split_k must be 1, 2 or 4, got {cfg.split_k}"
     if cfg.producer_wg not in (0, 1):
         return False, f"producer_wg must be 0 or 1, got {cfg.producer_wg}"
+    if cfg.persistent not in (0, 1):
+        return False, f"persistent must be 0 or 1, got {cfg.persistent}"
+    if cfg.persistent and cfg.split_k != 1:
+        return False, f"persistent needs split_k 1, got split_k={cfg.split_k}"
     if cfg.producer_wg and cfg.warpgroups != 2:
         return False, f"producer_wg needs two consumer warpgroups, got warpgroups={cfg.warpgroups}"
     if (cfg.split_k - 1) * -(-(k // K_MULTIPLE) // cfg.split_k) >= k // K_MULTIPLE:
@@ -268,11 +287,13 @@ def choose_config(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> WgmmaC
 def candidate_configs(n: int, k: int, m: int, num_sms: int = NUM_SMS_H200) -> list[WgmmaConfig]:
     """The benchmark's sweep: the chosen config first, then every valid
     tile x warpgroups x stages x split point (with two warpgroups at tile
-    256 a producer warpgroup too) with one of the two largest tiles up to 2 M."""
+    256 a producer warpgroup too; unsplit tiles of 128 rows and more also
+    persistent) with one of the two largest tiles up to 2 M."""
     first = choose_config(n, k, m, num_sms)
     tiles = [t for t in TILES if t <= max(32, 2 * m)][-2:]
-    found = [WgmmaConfig(t, g, s, sk, p) for t in reversed(tiles) for g in (2, 1) for s in (4, 6) for sk in (1, 2, 4)
-             for p in ((0, 1) if g == 2 and t == 256 else (0,))]
+    found = [WgmmaConfig(t, g, s, sk, p, r) for t in reversed(tiles) for g in (2, 1) for s in (4, 6)
+             for sk in (1, 2, 4) for p in ((0, 1) if g == 2 and t == 256 else (0,))
+             for r in ((0, 1) if sk == 1 and t >= 128 else (0,))]
     return [first, *[c for c in found if c != first and config_valid(c, n, k)[0]]]
 
 
@@ -318,9 +339,16 @@ def launch(x: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torc
                               x.stride(0) * x.element_size(), K_MULTIPLE, cfg.tile_m, 128)
     w_map = jit.tensor_map_2d(b.data_ptr(), 1, k // 2, n, b.stride(0), K_MULTIPLE // 2, cfg.rows(), 32)
     s_map = jit.tensor_map_2d(b_scales.data_ptr(), 1, 256, b_scales.numel() // 256, 256, 256, 2, 0)
-    spec.kernel().launch(cfg.grid(n, m), cfg.threads(),
-                         (x_map, w_map, s_map, alpha, bias, out, ctypes.c_int(m)),
-                         device=x.device, shared_mem=cfg.smem_bytes(), pdl=use_pdl)
+    kern, smem = spec.kernel(), cfg.smem_bytes()
+    grid = cfg.grid(n, m)
+    if cfg.persistent:
+        per_sm = kern.max_active_blocks(cfg.threads(), smem, dev)  # raises the shared-memory limit first
+        if per_sm < 1:
+            raise RuntimeError(f"nvfp4_wgmma {cfg.short()}: expected a CTA of {cfg.threads()} threads and {smem} "
+                               f"bytes of dynamic shared memory to fit an SM, the driver says none does")
+        grid = cfg.grid(n, m, per_sm * sm_count(dev))
+    kern.launch(grid, cfg.threads(), (x_map, w_map, s_map, alpha, bias, out, ctypes.c_int(m)),
+                device=x.device, shared_mem=smem, pdl=use_pdl)
     return out
 
 

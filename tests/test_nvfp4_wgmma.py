@@ -11,6 +11,7 @@ config of a shape, poisoned outputs, determinism and CUDA graphs."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -51,6 +52,10 @@ def _instances():
     out[(4096, 4096, wg.WgmmaConfig(256, 1, 6, 2), F16, torch.float32, F16)] = None
     out[(28672, 4096, wg.WgmmaConfig(256, 2, 4, 1, 1), BF16, None, BF16)] = None
     out[(4096, 14336, wg.WgmmaConfig(256, 2, 6, 2, 1), F16, BF16, F16)] = None
+    # persistent: the tile loop around the ring
+    out[(28672, 4096, wg.WgmmaConfig(256, 2, 4, 1, 1, 1), BF16, None, BF16)] = None
+    out[(4096, 14336, wg.WgmmaConfig(128, 2, 6, 1, 0, 1), F16, torch.float32, F16)] = None
+    out[(1040, 4032, wg.WgmmaConfig(128, 1, 4, 1, 0, 1), BF16, BF16, BF16)] = None
     return list(out)
 
 
@@ -90,11 +95,25 @@ def test_kernel_rejects_bad_defines():
     (wg.WgmmaConfig(tile_m=256), 64, 128, "registers"),  # two warpgroups need the producer warpgroup
     (wg.WgmmaConfig(tile_m=256, warpgroups=1, producer_wg=1), 64, 128, "two consumer warpgroups"),
     (wg.WgmmaConfig(producer_wg=2), 64, 128, "producer_wg must be 0 or 1"),
+    (wg.WgmmaConfig(split_k=2, persistent=1), 64, 4096, "persistent needs split_k 1"),
+    (wg.WgmmaConfig(persistent=2), 64, 128, "persistent must be 0 or 1"),
     ("m128", 64, 128, "WgmmaConfig"),
 ])
 def test_config_predicate_rejects(cfg, n, k, why):
     ok, reason = wg.config_valid(cfg, n, k)
     assert not ok and why in reason
+
+
+def test_persistent_config_grid():
+    """A persistent config launches min(tiles, resident CTAs) along x, the
+    same shared memory and threads as one CTA a tile."""
+    cfg = wg.WgmmaConfig(256, 2, 4, 1, 1, 1)
+    flat = dataclasses.replace(cfg, persistent=0)
+    assert wg.config_valid(cfg, 28672, 4096) == (True, "ok") and cfg.short() == "m256g2s4k1pr"
+    assert cfg.tiles(28672, 512) == 2 * 224
+    assert cfg.grid(28672, 512, 132) == (132, 1, 1) and cfg.grid(200, 3, 132) == (2, 1, 1)
+    assert flat.grid(28672, 512, 132) == (2, 224, 1)
+    assert (cfg.smem_bytes(), cfg.threads(), cfg.registers()) == (flat.smem_bytes(), flat.threads(), flat.registers())
 
 
 @pytest.mark.parametrize("n,k", LLAMA8B + [(1040, 4032), (200, 128), (16, 64)])
@@ -248,6 +267,26 @@ def test_gpu_every_candidate_config(m):
     wd = nv.dequantize(qb, sb)
     for cfg in wg.candidate_configs(n, k, m):
         check_f64_bound(_run(x, qb, None, sb, alpha, cfg=cfg), x, wd, alpha)
+
+
+@requires_sm90
+@pytest.mark.parametrize("w4a16", [False, True])
+def test_gpu_persistent_matches_one_cta_per_tile_bitwise(w4a16):
+    """Persistent grids, where CTAs take two or more tiles each and the ring
+    runs on from one tile to the next (M = 1100, N = 4160: 165-585 tiles),
+    write every tile bit for bit as the same config with one CTA a tile does;
+    one of them against float64."""
+    m, n, k = 1100, 4160, 1024
+    qa, sa, qb, sb, alpha = cuda_operands(m, n, k)
+    a = (torch.randn(m, k, device="cuda") * 3).to(BF16) if w4a16 else qa
+    cfgs = [c for c in wg.candidate_configs(n, k, m) if c.persistent]
+    assert len(cfgs) >= 4 and any(c.producer_wg for c in cfgs) and any(c.warpgroups == 1 for c in cfgs)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cfg in cfgs:
+        assert cfg.tiles(n, m) > sms
+        out = _run(a, qb, sa, sb, alpha, cfg=cfg)
+        assert torch.equal(out, _run(a, qb, sa, sb, alpha, cfg=dataclasses.replace(cfg, persistent=0))), cfg.short()
+    check_f64_bound(out, a if w4a16 else nv.dequantize(qa, sa), nv.dequantize(qb, sb), alpha)
 
 
 @requires_sm90
