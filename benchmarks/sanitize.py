@@ -144,7 +144,7 @@ CASES: tuple[Case, ...] = (
     Case("nvfp4_wgmma_w4a16", "nvfp4_w4a16_mm cuda_wgmma, bf16 activation, one 64-row tile, one warpgroup",
          "M40 N200 K768, strided x", csrc=True),
     Case("nvfp4_wgmma_pwg", "nvfp4_mm cuda_wgmma, one 256-row tile over two warpgroups, a producer warpgroup "
-         "handing them its registers (setmaxnreg), K split over a 2-CTA cluster", "M100 N200 K768", csrc=True),
+         "handing them its registers (setmaxnreg)", "M100 N200 K768", csrc=True),
     Case("nvfp4_wgmma_persistent", "nvfp4_mm cuda_wgmma, persistent grid: 165 tiles of 128 x 64, CTAs taking two, "
          "the ring running on from tile to tile", "M600 N2100 K768", csrc=True),
     Case("fp8_wgmma_split", "fp8_scaled_mm cuda_wgmma (csrc/fp8_wgmma.cu: TMA ring, producer warp, e4m3 wgmma), "
@@ -156,13 +156,12 @@ CASES: tuple[Case, ...] = (
          "M100 N208 K1040", csrc=True),
     Case("fp8_wgmma_block_two_wg", "fp8_block_mm cuda_wgmma, two warpgroups, fresh fragments, row-major scales",
          "M100 N208 K1040", csrc=True),
-    Case("fp8_wgmma_block_pwg", "fp8_block_mm cuda_wgmma, 128 x 128 tile: a producer warpgroup hands registers "
-         "to two consumer warpgroups (setmaxnreg), K split over a 2-CTA cluster", "M100 N208 K1040", csrc=True),
+    Case("fp8_wgmma_pwg", "fp8_scaled_mm cuda_wgmma, 128 x 128 tile: a producer warpgroup hands registers "
+         "to two consumer warpgroups (setmaxnreg)", "M100 N208 K1040", csrc=True),
     Case("fp8_wgmma_persistent", "fp8_scaled_mm cuda_wgmma, persistent grid: 272 tiles of 64 x 64, CTAs taking two "
          "or more, the ring running on from tile to tile", "M1000 N1040 K1040", csrc=True),
-    Case("fp8_wgmma_block_persistent", "fp8_block_mm cuda_wgmma, persistent grid of 128 x 128 tiles with a producer "
-         "warpgroup, each stage's weight scale copied beside its activation scales (144 tiles)", "M1000 N2208 K1040",
-         csrc=True),
+    Case("fp8_wgmma_block_persistent", "fp8_block_mm cuda_wgmma, persistent grid of 128 x 64 tiles, each stage's "
+         "weight scale copied beside its activation scales (280 tiles)", "M1000 N2208 K1040", csrc=True),
     Case("fp8_wgmma_linear", "fp8_block_linear cuda_wgmma (G_QUANT: bf16 rows by TMA, quantized by the consumers "
          "into the swizzled e4m3 slot, async-proxy fence, named barrier), one warpgroup, K split over 2 CTAs",
          "M100 N208 K1152", csrc=True),

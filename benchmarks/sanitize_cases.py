@@ -419,7 +419,7 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool, pwg: bool = False, persistent: bool 
     """cuda_wgmma (csrc/nvfp4_wgmma.cu: TMA ring, producer warp, wgmma): W4A4
     at M = 100 in two 64-row tiles with K split over a 2-CTA cluster (``pwg``:
     one 256-row tile, two warpgroups fed by a producer warpgroup that gives
-    them its registers), or W4A16 with a strided bf16 activation at M = 40 in
+    them its registers, K unsplit), or W4A16 with a strided bf16 activation at M = 40 in
     one 32-row-padded tile (N = 200: a partial weight tile; rows past M and N
     arrive as TMA zeros).  ``persistent``: W4A4 at M = 600, N = 2100 in
     128 x 64 tiles (one warpgroup) on a persistent grid: 165 tiles, so some
@@ -447,7 +447,7 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool, pwg: bool = False, persistent: bool 
     alpha = (1.0 / (ga * gb)).float()
     a_d, sa_d, al_d = qa.to(ctx.dev), sa.to(ctx.dev), alpha.to(ctx.dev)
     need_backend("nvfp4", "cuda_wgmma", nv.mm_problem(a_d, qb_d, torch.bfloat16, None))
-    cfg = (wg.WgmmaConfig(256, 2, 4, 2, 1) if pwg else wg.WgmmaConfig(128, 1, 4, 1, 0, 1) if persistent
+    cfg = (wg.WgmmaConfig(256, 2, 4, 1, 1) if pwg else wg.WgmmaConfig(128, 1, 4, 1, 0, 1) if persistent
            else wg.WgmmaConfig(64, 2, 4, 2))
     first, out = ctx.twice(lambda: wg.launch(nd.dequant(a_d, sa_d, torch.float16, permute_k=True), qb_d, sb_d, al_d, None,
                                              nv.mm_output(a_d, qb_d, torch.bfloat16), cfg))
@@ -455,12 +455,13 @@ def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool, pwg: bool = False, persistent: bool 
     return close(out, ref, 1e-2, first)
 
 
-def case_fp8_wgmma(ctx: Ctx, split: bool, warpgroups: int = 1):
+def case_fp8_wgmma(ctx: Ctx, split: bool, warpgroups: int = 1, pwg: bool = False):
     """cuda_wgmma of fp8 (csrc/fp8_wgmma.cu: TMA ring, producer warp, e4m3
     wgmma): ``fp8_scaled_mm`` per-token x per-channel at M = 100 in two 64-row
     tiles, one warpgroup (the stage's four k32 steps in one group) with K
     split over a 2-CTA cluster, or two warpgroups (two groups of two) without
-    a split; or through the op at M = 5 with
+    a split (``pwg``: one 128 x 128 tile, a producer warpgroup handing its
+    registers to two consumer warpgroups); or through the op at M = 5 with
     strided rows, per-tensor scales, an fp32 output and a bf16 bias (one
     16-row tile, one warpgroup, two stages).  N = 208 leaves a partial weight
     tile, K = 1040 a 16-wide tail stage: rows and columns past the tensors
@@ -479,7 +480,8 @@ def case_fp8_wgmma(ctx: Ctx, split: bool, warpgroups: int = 1):
     if split:
         d = [t.to(ctx.dev) for t in (a, b, sa, sb)]
         need_backend("fp8", "cuda_wgmma", f8.mm_problem(d[0], d[1], f8.TOKEN, f8.CHANNEL, None, torch.bfloat16))
-        cfg = fw.WgmmaConfig(64, warpgroups, 4, 2 if warpgroups == 1 else 1)
+        cfg = (fw.WgmmaConfig(128, 2, 4, 1, 1, 1) if pwg
+               else fw.WgmmaConfig(64, warpgroups, 4, 2 if warpgroups == 1 else 1))
         first, out = ctx.twice(lambda: fw.launch(*d, None, f8.mm_output(d[0], d[1], torch.bfloat16), cfg))
         return close(out, ref, 1e-2, first)
     bias = ctx.randn(n, dtype=torch.bfloat16)
@@ -491,15 +493,13 @@ def case_fp8_wgmma(ctx: Ctx, split: bool, warpgroups: int = 1):
     return close(out, ref + bias.double(), 1e-2, first)
 
 
-def case_fp8_wgmma_block(ctx: Ctx, chain: int | str):
+def case_fp8_wgmma_block(ctx: Ctx, chain: int):
     """cuda_wgmma of fp8_block (csrc/fp8_wgmma.cu with G_BLOCK: the producer
     warp's cp.async scale copies arriving on the stage barrier, block scales
     at each promotion): M = 100 in two 64-row tiles with column-major
     activation scales; ``chain`` 4: one warpgroup, the stage's four k32 steps
     chained, K split over a 2-CTA cluster; ``chain`` 1: two warpgroups, two
-    groups of two fresh fragments, row-major scales; ``"pwg"``: one 128 x 128
-    tile (weight rows past N = 208 zero), chained, a producer warpgroup
-    (setmaxnreg), K split over a 2-CTA cluster.  N = 208 leaves a partial
+    groups of two fresh fragments, row-major scales.  N = 208 leaves a partial
     weight tile and scale block, K = 1040 a 16-wide tail stage."""
     import torch
 
@@ -514,8 +514,7 @@ def case_fp8_wgmma_block(ctx: Ctx, chain: int | str):
     a_d, b_d, sb_d = a.to(ctx.dev), b.to(ctx.dev), sb.to(ctx.dev)
     sa_d = sa.to(ctx.dev).t().contiguous().t() if chain != 1 else sa.to(ctx.dev)
     need_backend("fp8_block", "cuda_wgmma", fb.problem(a_d, b_d, (128, 128), torch.bfloat16, chain != 1))
-    cfg = {4: fw.WgmmaConfig(64, 1, 4, 2, 4), 1: fw.WgmmaConfig(64, 2, 4, 1, 1),
-           "pwg": fw.WgmmaConfig(128, 2, 3, 2, 4, 1)}[chain]
+    cfg = {4: fw.WgmmaConfig(64, 1, 4, 2, 4), 1: fw.WgmmaConfig(64, 2, 4, 1, 1)}[chain]
     first, out = ctx.twice(lambda: fw.block_mm(a_d, b_d, sa_d, sb_d, (128, 128), torch.bfloat16, cfg=cfg))
     return close(out, ref, 1e-2, first)
 
@@ -526,8 +525,8 @@ def case_fp8_wgmma_persistent(ctx: Ctx, block: bool):
     the epilogue): more tiles than an H100 / H200 holds CTAs, so CTAs take
     two or more.  ``fp8_scaled_mm`` per-token x per-channel at M = 1000, N =
     1040 in 64 x 64 tiles (one warpgroup; 272 tiles); or ``fp8_block_mm`` at
-    M = 1000, N = 2208 in 128 x 128 tiles with a producer warpgroup (each
-    stage's weight scale copied beside its activation scales; 144 tiles).
+    M = 1000, N = 2208 in 128 x 64 tiles, one warpgroup (each stage's weight
+    scale copied beside its activation scales; 280 tiles).
     The last activation tile and weight tile run past M and N, K = 1040 ends
     in a 16-wide stage."""
     import torch
@@ -544,7 +543,7 @@ def case_fp8_wgmma_persistent(ctx: Ctx, block: bool):
         ref = fb.reference_mm_f32(a, b, sa, sb, (128, 128)).double()
         d = [t.to(ctx.dev) for t in (a, b, sa, sb)]
         need_backend("fp8_block", "cuda_wgmma", fb.problem(d[0], d[1], (128, 128), torch.bfloat16, False))
-        cfg = fw.WgmmaConfig(128, 2, 4, 1, 4, 1, 1)
+        cfg = fw.WgmmaConfig(128, 1, 4, 1, 4, 0, 1)
         first, out = ctx.twice(lambda: fw.block_mm(*d, (128, 128), torch.bfloat16, cfg=cfg))
         return close(out, ref, 1e-2, first)
     a, sa = f8.reference_quant(ctx.randn(m, k, scale=2.0), None, True)
@@ -760,7 +759,7 @@ CHILD_CASES = {
     "fp8_wgmma_two_wg": lambda ctx: case_fp8_wgmma(ctx, True, 2),
     "fp8_wgmma_block_chain": lambda ctx: case_fp8_wgmma_block(ctx, 4),
     "fp8_wgmma_block_two_wg": lambda ctx: case_fp8_wgmma_block(ctx, 1),
-    "fp8_wgmma_block_pwg": lambda ctx: case_fp8_wgmma_block(ctx, "pwg"),
+    "fp8_wgmma_pwg": lambda ctx: case_fp8_wgmma(ctx, True, 2, pwg=True),
     "fp8_wgmma_persistent": lambda ctx: case_fp8_wgmma_persistent(ctx, False),
     "fp8_wgmma_block_persistent": lambda ctx: case_fp8_wgmma_persistent(ctx, True),
     "fp8_wgmma_linear": lambda ctx: case_fp8_wgmma_linear(ctx, 1),

@@ -84,11 +84,10 @@ def _instances():
     out[(1040, 1040, fw.WgmmaConfig(64, 2, 8, 2, 1), F32, None, True, None)] = None
     out[(1040, 1040, fw.WgmmaConfig(128, 1, 4, 2, 4), F16, None, True, None)] = None
     # a producer warpgroup that hands registers to the consumers: the large-M tile
-    out[(7168, 16384, fw.WgmmaConfig(128, 2, 6, 1, 4, 1), BF16, None, True, None)] = None
-    out[(1040, 4112, fw.WgmmaConfig(128, 2, 4, 2, 4, 1), F32, None, True, None)] = None
-    out[(4096, 4096, fw.WgmmaConfig(128, 2, 4, 2, 1, 1), F32, BF16, False, None)] = None
+    out[(7168, 16384, fw.WgmmaConfig(128, 2, 6, 1, 4, 1), BF16, None, False, None)] = None
+    out[(4096, 4096, fw.WgmmaConfig(128, 2, 4, 1, 1, 1), F32, BF16, False, None)] = None
     # persistent: the tile loop around the ring (block-scaled: each stage's weight scale in its slot)
-    out[(7168, 16384, fw.WgmmaConfig(128, 2, 6, 1, 4, 1, 1), BF16, None, True, None)] = None
+    out[(7168, 16384, fw.WgmmaConfig(128, 1, 6, 1, 4, 0, 1), BF16, None, True, None)] = None
     out[(1040, 1040, fw.WgmmaConfig(64, 1, 8, 1, 4, 0, 1), F16, None, True, None)] = None
     out[(4096, 4096, fw.WgmmaConfig(128, 2, 4, 1, 1, 1, 1), F32, BF16, False, None)] = None
     out[(208, 4112, fw.WgmmaConfig(64, 2, 6, 1, 1, 0, 1), BF16, F32, False, None)] = None
@@ -111,7 +110,10 @@ def test_instance_compiles_without_spills(n, k, cfg, out_dtype, bias_dtype, bloc
     spec = fw.kernel_spec(n, k, cfg, out_dtype, bias_dtype, block, in_dtype)
     regs = nvrtc_registers(spec)
     est = cfg.registers(block, quant)
-    assert regs <= est, f"estimate {est} below the real {regs} registers"
+    if cfg.producer_wg:  # ptxas reports the launch's 168; no spills (checked) means the consumers fit theirs
+        assert regs == fw.REG_LIMIT[2] and est <= cfg.register_limit(block), (regs, est)
+    else:
+        assert regs <= est, f"estimate {est} below the real {regs} registers"
     log = io.StringIO()
     spec.compile(logs=log, ptxas_options="-v")
     assert "serialized" not in log.getvalue(), log.getvalue()  # wgmma kept asynchronous
@@ -122,9 +124,10 @@ def test_instance_compiles_without_spills(n, k, cfg, out_dtype, bias_dtype, bloc
 def test_every_tile_shape_within_its_estimate(block):
     """The estimate bounds ptxas' count over the space's extremes (the
     predicate that keeps configs under the per-quadrant limit relies on it)."""
-    cfgs = [fw.WgmmaConfig(t, g, 8, 4, c, p) for t in fw.TILES for g in (1, 2) for c in (1, 4) for p in (0, 1)]
+    cfgs = [fw.WgmmaConfig(t, g, 8, 4 if not p else 1, c, p) for t in fw.TILES for g in (1, 2) for c in (1, 4)
+            for p in (0, 1)]
     cfgs = [c for c in cfgs if fw.config_valid(c, 4096, 4096, block)[0]]
-    assert len(cfgs) >= 10 and any(c.producer_wg for c in cfgs)
+    assert len(cfgs) >= 10 and any(c.producer_wg for c in cfgs) != block
     for cfg in cfgs:
         regs = nvrtc_registers(fw.kernel_spec(4096, 4096, cfg, F32, None if block else F32, block))
         if cfg.producer_wg:  # ptxas reports the launch's 168; no spills (checked) means the consumers fit 232
@@ -156,6 +159,7 @@ def test_kernel_rejects_bad_defines():
     (fw.WgmmaConfig(tile_m=128, warpgroups=2, chain=4), 64, 128, "ok"),
     (fw.WgmmaConfig(tile_m=128, warpgroups=2, producer_wg=1), 64, 128, "ok"),
     (fw.WgmmaConfig(tile_m=128, warpgroups=1, producer_wg=1), 64, 128, "two consumer warpgroups"),
+    (fw.WgmmaConfig(tile_m=128, warpgroups=2, split_k=2, producer_wg=1), 64, 4096, "producer_wg needs split_k 1"),
     (fw.WgmmaConfig(producer_wg=2), 64, 128, "producer_wg must be 0 or 1"),
     (fw.WgmmaConfig(persistent=1), 64, 128, "ok"),
     (fw.WgmmaConfig(split_k=2, persistent=1), 64, 4096, "persistent needs split_k 1"),
@@ -171,8 +175,8 @@ def test_config_predicate(cfg, n, k, why):
     (fw.WgmmaConfig(tile_m=128, warpgroups=2, chain=4), "registers"),  # + the stage's 32 scales
     (fw.WgmmaConfig(tile_m=64, warpgroups=2, chain=1), "ok"),
     (fw.WgmmaConfig(tile_m=128, warpgroups=1, chain=4), "ok"),
-    (fw.WgmmaConfig(tile_m=128, warpgroups=2, chain=4, producer_wg=1), "ok"),  # consumers at 232 registers
-    (fw.WgmmaConfig(tile_m=128, warpgroups=2, chain=1, producer_wg=1), "registers"),
+    # a producer warpgroup's cp.async scale copies: racecheck reports them (NOTES.md, session 17)
+    (fw.WgmmaConfig(tile_m=128, warpgroups=2, chain=4, producer_wg=1), "per-tensor / row / column scales"),
 ])
 def test_block_config_predicate(cfg, why):
     ok, reason = fw.config_valid(cfg, 7168, 16384, block=True)
@@ -183,19 +187,20 @@ def test_block_config_predicate(cfg, why):
 def test_persistent_config_grid_smem_registers(monkeypatch):
     """A persistent config launches min(tiles, resident CTAs) along x; its
     block-scaled kernel keeps each stage's weight scale in the stage's slot
-    (no per-CTA K range of them) and, with a producer warpgroup, gives the
-    consumers 224 registers; the quantizing kernel has no persistent form."""
-    cfg = fw.WgmmaConfig(128, 2, 4, 1, 4, 1, 1)
-    assert cfg.short() == "m128g2s4k1c4pr"
-    assert cfg.tiles(7168, 4096) == 32 * 56
+    (no per-CTA K range of them); the quantizing kernel has no persistent
+    form."""
+    cfg = fw.WgmmaConfig(128, 1, 4, 1, 4, 0, 1)
+    assert cfg.short() == "m128g1s4k1c4r" and fw.config_valid(cfg, 7168, 16384, block=True) == (True, "ok")
+    assert cfg.tiles(7168, 4096) == 32 * 112
     assert cfg.grid(7168, 4096, 132) == (132, 1, 1)
-    assert cfg.grid(200, 3, 132) == (2, 1, 1)
-    assert dataclasses.replace(cfg, persistent=0).grid(7168, 4096, 132) == (32, 56, 1)
+    assert cfg.grid(200, 3, 132) == (4, 1, 1)
+    assert dataclasses.replace(cfg, persistent=0).grid(7168, 4096, 132) == (32, 112, 1)
     flat = dataclasses.replace(cfg, persistent=0)
     assert cfg.smem_bytes(16384, True) == flat.smem_bytes(16384, True) - (128 + 31) // 32 * 128 + 4 * 4 * 4
     assert cfg.smem_bytes(16384) == flat.smem_bytes(16384)
-    assert cfg.register_limit(True) == fw.PWG_REG_LIMIT_PERSISTENT_BLOCK == 224
-    assert cfg.register_limit(False) == flat.register_limit(True) == fw.PWG_REG_LIMIT
+    pwg = dataclasses.replace(cfg, warpgroups=2, producer_wg=1)
+    assert pwg.register_limit(True) == fw.PWG_REG_LIMIT_PERSISTENT_BLOCK == 224
+    assert pwg.register_limit(False) == dataclasses.replace(pwg, persistent=0).register_limit(True) == fw.PWG_REG_LIMIT
     ok, why = fw.config_valid(cfg, 7168, 16384, block=True, quant=True)
     assert not ok and "does not quantize" in why
     fw.choose_config.cache_clear()
@@ -208,14 +213,16 @@ def test_persistent_config_grid_smem_registers(monkeypatch):
         fw.choose_config.cache_clear()
 
 
-def test_producer_warpgroup_is_not_for_the_quantizing_kernel(monkeypatch):
+def test_producer_warpgroup_is_not_for_the_block_scaled_kernels(monkeypatch):
     pwg = fw.WgmmaConfig(128, 2, 4, 1, 4, 1)
     ok, why = fw.config_valid(pwg, 7168, 16384, block=True, quant=True)
     assert not ok and "does not quantize" in why
+    ok, why = fw.config_valid(pwg, 7168, 16384, block=True)
+    assert not ok and "per-tensor / row / column scales" in why
     fw.choose_config.cache_clear()
-    monkeypatch.setattr(fw, "tuned", lambda *a: pwg)  # a measured row with a producer warpgroup
+    monkeypatch.setattr(fw, "tuned", lambda *a: pwg)  # a row with a producer warpgroup
     try:
-        assert fw.choose_config(7168, 16384, 256, block=True) == pwg
+        assert not fw.choose_config(7168, 16384, 256, block=True).producer_wg
         quant = fw.choose_config(7168, 16384, 256, block=True, quant=True)
         assert not quant.producer_wg and fw.config_valid(quant, 7168, 16384, True, True)[0]
     finally:
@@ -513,7 +520,7 @@ def test_gpu_strided_misaligned_rows_nan_rows_zero_m():
 def test_gpu_deterministic_and_cuda_graph():
     a, b, sa, sb = _operands(64, 4096, 4096)
     for cfg in (fw.WgmmaConfig(32, 2, 4, 4), fw.WgmmaConfig(64, 1, 4, 4, 4),
-                fw.WgmmaConfig(128, 2, 4, 2, 4, 1)):  # split K: the rank-order reduction
+                fw.WgmmaConfig(128, 2, 4, 2, 4)):  # split K: the rank-order reduction
         first = _run(a, b, sa, sb, cfg=cfg)
         assert torch.equal(first, _run(a, b, sa, sb, cfg=cfg)), cfg.short()
     a2, _, sa2, _ = _operands(64, 4096, 4096)
@@ -673,10 +680,11 @@ def test_gpu_block_every_candidate_config(m):
 @pytest.mark.parametrize("block", [False, True])
 def test_gpu_persistent_matches_one_cta_per_tile_bitwise(block):
     """Persistent grids, where CTAs take two or more tiles each and the ring
-    runs on from one tile to the next (M = 1023, N = 4160: 264-1040 tiles),
+    runs on from one tile to the next (M = 1023, N = 4160: 264-1040 tiles,
+    K = 1152 nine stages),
     write every tile bit for bit as the same config with one CTA a tile does;
     one of them against float64."""
-    m, n, k = 1023, 4160, 1040
+    m, n, k = 1023, 4160, 1152
     if block:
         a, b, sa, sb = _block_operands(m, n, k)
         run = lambda cfg: _block_run(a, b, sa, sb, cfg=cfg)  # noqa: E731
@@ -684,7 +692,7 @@ def test_gpu_persistent_matches_one_cta_per_tile_bitwise(block):
         a, b, sa, sb = _operands(m, n, k)
         run = lambda cfg: _run(a, b, sa, sb, cfg=cfg)  # noqa: E731
     cfgs = [c for c in fw.candidate_configs(n, k, m, block=block) if c.persistent]
-    assert len(cfgs) >= 8 and any(c.producer_wg for c in cfgs) and any(c.warpgroups == 1 for c in cfgs)
+    assert len(cfgs) >= 8 and any(c.producer_wg for c in cfgs) != block and any(c.warpgroups == 1 for c in cfgs)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for cfg in cfgs:
         assert cfg.tiles(n, m) > sms
