@@ -30,9 +30,8 @@
 //                in the kernel (K % 128 == 0)
 //   G_PWG        1 (with G_WG 2, not G_QUANT): the producer is a whole
 //                warpgroup that hands registers to the consumers
-//                (setmaxnreg: 40 / 232, with G_PERSIST and G_BLOCK 48 / 224,
-//                instead of 168 for all), so a 128 x 128 tile with two fp32
-//                fragments a thread fits: the large-M tile
+//                (setmaxnreg: 40 / 232 instead of 168 for all), so a 128 x 128
+//                tile with two fp32 fragments a thread fits: the large-M tile
 //   G_PERSIST    1 (with G_SPLIT 1, not G_QUANT): a persistent grid of about
 //                one CTA per SM slot walks the tiles; the producer loads the
 //                next tile's stages while the consumers store this one's
@@ -210,11 +209,6 @@ static_assert(G_IN == 0 || G_IN == 1, "G_IN must be 0 (bf16) or 1 (fp16)");
 static_assert(G_PWG == 0 || (G_PWG == 1 && WGS == 2 && G_QUANT == 0), "G_PWG 1 needs G_WG 2 and no G_QUANT");
 static_assert(G_PERSIST == 0 || (G_PERSIST == 1 && SPLIT == 1 && G_QUANT == 0),
               "G_PERSIST 1 needs G_SPLIT 1 and no G_QUANT");
-// G_PWG: setmaxnreg's registers for a producer and a consumer thread; the
-// persistent block-scaled producer also addresses each tile's scales.
-constexpr int PWG_PRODUCER_REGS = G_PERSIST && G_BLOCK ? 48 : 40;
-constexpr int PWG_CONSUMER_REGS = G_PERSIST && G_BLOCK ? 224 : 232;
-static_assert(128 * PWG_PRODUCER_REGS + 256 * PWG_CONSUMER_REGS <= 65536, "setmaxnreg counts exceed the register file");
 constexpr float FP8_MAX = 448.0f;
 constexpr float GROUP_EPS = 1e-10f;  // per_token_group_quant_fp8's eps in fp8_block_linear
 
@@ -474,7 +468,7 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
   // without, the two are one if / else (the SASS of the measured configs).
 #if G_PWG
   if (producer) {
-    producer_registers<PWG_PRODUCER_REGS>();
+    producer_registers();
 #else
 #if !G_PERSIST
   float acc[ACC];
@@ -508,7 +502,7 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
 #endif
     return;
   }
-  consumer_registers<PWG_CONSUMER_REGS>();
+  consumer_registers();
 #if !G_PERSIST
   float acc[ACC];
 #pragma unroll

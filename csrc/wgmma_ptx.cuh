@@ -140,19 +140,18 @@ __device__ __forceinline__ bool cluster_reduce(float (&acc)[ACC], u32 smem, int 
 
 // A producer warpgroup hands registers to two consumer warpgroups (setmaxnreg,
 // warpgroup-wide, counts multiples of 8): a 384-thread CTA launches with 168
-// each, then the producers drop to PRODUCER and the consumers rise to
-// CONSUMER (128 PRODUCER + 256 CONSUMER <= 65536, the kernel's
-// static_assert): 40 / 232 unless a producer has more to address.
-template <int PRODUCER = 40>
+// each, then the producers drop to 40 and the consumers rise to 232
+// (128 x 40 + 256 x 232 <= 65536).
+constexpr int PRODUCER_REGS = 40;
+constexpr int CONSUMER_REGS = 232;
+static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536, "setmaxnreg counts exceed the register file");
+
 __device__ __forceinline__ void producer_registers() {
-  static_assert(PRODUCER % 8 == 0 && PRODUCER >= 24, "setmaxnreg takes multiples of 8 from 24");
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER));
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
 }
 
-template <int CONSUMER = 232>
 __device__ __forceinline__ void consumer_registers() {
-  static_assert(CONSUMER % 8 == 0 && CONSUMER <= 256, "setmaxnreg takes multiples of 8 up to 256");
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
 }
 
 // cluster_reduce's barriers for a thread without accumulators (a producer

@@ -81,10 +81,8 @@ TILES = (16, 32, 64, 128)
 # rounded down to 8); five warps leave the instruction's limit.
 REG_LIMIT = {1: 255, 2: 168}
 # With a producer warpgroup (``producer_wg``) the consumers raise theirs with
-# setmaxnreg to this (PWG_CONSUMER_REGS in csrc/fp8_wgmma.cu); the persistent
-# block-scaled kernel's producer keeps 8 more a thread.
+# setmaxnreg to this (CONSUMER_REGS in csrc/wgmma_ptx.cuh).
 PWG_REG_LIMIT = 232
-PWG_REG_LIMIT_PERSISTENT_BLOCK = 224
 SMEM_MAX = 227 * 1024
 
 # ----------------------------------------------------------------------------
@@ -191,13 +189,10 @@ class WgmmaConfig:
         """The consumer warpgroups and the producer warp (warpgroup)."""
         return 128 * self.warpgroups + (128 if self.producer_wg else 32)
 
-    def register_limit(self, block: bool = False) -> int:
+    def register_limit(self) -> int:
         """Registers a consumer thread may hold: the launch's share of the
-        register file, or what setmaxnreg gives it with ``producer_wg``
-        (``block``: of the block-scaled kernel)."""
-        if not self.producer_wg:
-            return REG_LIMIT.get(self.warpgroups, 0)
-        return PWG_REG_LIMIT_PERSISTENT_BLOCK if self.persistent and block else PWG_REG_LIMIT
+        register file, or what setmaxnreg gives it with ``producer_wg``."""
+        return PWG_REG_LIMIT if self.producer_wg else REG_LIMIT.get(self.warpgroups, 0)
 
     def fragments(self) -> int:
         """Fragments in flight together (the kernel's FR): one per k32 step
@@ -296,7 +291,7 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int, block: bool = False, quant: b
     # compute-sanitizer on the GPU: synccheck finds divergent threads at the
     # split-K reduction's barrier under a producer warpgroup, and racecheck
     # the block-scaled kernel's cp.async scale copies racing the consumers'
-    # reads (benchmarks/NOTES.md, session 17); both are out until cleared.
+    # reads (benchmarks/NOTES.md); both are out until cleared.
     if cfg.producer_wg and (cfg.split_k != 1 or block):
         return False, (f"producer_wg needs split_k 1 and per-tensor / row / column scales (not sanitizer-clean "
                        f"otherwise), got split_k={cfg.split_k}, block={block}")
@@ -305,7 +300,7 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int, block: bool = False, quant: b
     nkb = -(-k // KB)
     if (cfg.split_k - 1) * -(-nkb // cfg.split_k) >= nkb:
         return False, f"split_k {cfg.split_k} leaves a cluster rank without any of the {nkb} K stages"
-    limit = cfg.register_limit(block or quant)
+    limit = cfg.register_limit()
     if cfg.registers(block or quant, quant) > limit:
         return False, (f"about {cfg.registers(block or quant, quant)} registers per thread, over the limit {limit} "
                        f"of {cfg.threads()} threads")

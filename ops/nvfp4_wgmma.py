@@ -219,8 +219,8 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int) -> tuple[bool, str]:
     if cfg.persistent and cfg.split_k != 1:
         return False, f"persistent needs split_k 1, got split_k={cfg.split_k}"
     # compute-sanitizer on the GPU: synccheck finds divergent threads at the
-    # split-K reduction's barrier under a producer warpgroup (benchmarks/NOTES.md,
-    # session 17); out until cleared.
+    # split-K reduction's barrier under a producer warpgroup (benchmarks/NOTES.md);
+    # out until cleared.
     if cfg.producer_wg and cfg.split_k != 1:
         return False, f"producer_wg needs split_k 1 (not sanitizer-clean otherwise), got split_k={cfg.split_k}"
     if cfg.producer_wg and cfg.warpgroups != 2:
