@@ -147,18 +147,20 @@ __host__ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
 #endif
 }
 
-// fp16x2 -> bf16x2, exact for the decoded weights (<= 7 significant bits, >= 2^-24).
-__host__ __device__ __forceinline__ u32 f16x2_to_bf16x2(u32 h2) {
+// bf16x2 [s 2^119 : s 2^119] of the fp16 scale s in the low half of h2: the
+// scale operand of decode8_bf16 (exact: an e4m3 value has 4 significant bits
+// and s 2^119 <= 448 2^119 stays below bf16's largest finite value).
+__host__ __device__ __forceinline__ u32 scale_pair_bf16(u32 h2) {
 #ifdef __CUDA_ARCH__
-  float lo, hi;
-  asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
-      : "=f"(lo), "=f"(hi) : "r"(h2));
+  float f;
+  asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.f32.f16 %0, l;\n\t}" : "=f"(f) : "r"(h2));
+  f *= 6.6461399789245794e35f;  // 2^119
   u32 d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(f));
   return d;
 #else
-  return host::f32_to_bf16(host::f16_to_f32((u16)h2)) |
-         ((u32)host::f32_to_bf16(host::f16_to_f32((u16)(h2 >> 16))) << 16);
+  const u32 b = host::f32_to_bf16(host::f16_to_f32((u16)h2) * 6.6461399789245794e35f);
+  return b | (b << 16);
 #endif
 }
 
@@ -258,6 +260,19 @@ __host__ __device__ __forceinline__ void scale_pairs(u32 two, u32& lo, u32& hi) 
   hi = byte_perm(d, 0, 0x3232);
 }
 
+// A weight's scale pairs in the format its decoder takes: fp16 [s : s]
+// (decode8), or for a bf16 MMA (ACT 2) bf16 [s 2^119 : s 2^119] (decode8_bf16).
+template <int ACT>
+__host__ __device__ __forceinline__ void weight_scale_pairs(u32 two, u32& lo, u32& hi) {
+  if (ACT == 2) {
+    const u32 d = e4m3x2_to_f16x2(two);
+    lo = scale_pair_bf16(d);
+    hi = scale_pair_bf16(d >> 16);
+  } else {
+    scale_pairs(two, lo, hi);
+  }
+}
+
 // 8 fp16 / bf16 activation values (16 bytes: k 8q .. 8q + 7) as the four
 // 32-bit pairs {k j, k j + 4} (j = 0..3) of decode8's order.
 __host__ __device__ __forceinline__ void act_pairs(const V4& v, u32* r) {
@@ -268,19 +283,18 @@ __host__ __device__ __forceinline__ void act_pairs(const V4& v, u32* r) {
 }
 
 // Word q (k 8q .. 8q + 7 of the thread's 32) of a weight tile's rows g and
-// g + 8 (w0, w1: their 16-byte chunks), decoded with their scale pairs; for a
-// bf16 MMA (ACT 2) converted to bf16, exactly.
+// g + 8 (w0, w1: their 16-byte chunks), decoded with their scale pairs
+// (weight_scale_pairs<ACT>): fp16 e2m1 * s * 2^-14, or for a bf16 MMA (ACT 2)
+// bf16 e2m1 * s * 2^-7.
 template <int ACT>
 __host__ __device__ __forceinline__ void weight_word(const V4& w0, const V4& w1, int q, const u32 (&slo)[2],
                                             const u32 (&shi)[2], u32 (&r0)[4], u32 (&r1)[4]) {
-  decode8(w0.v[q], q < 2 ? slo[0] : shi[0], r0);
-  decode8(w1.v[q], q < 2 ? slo[1] : shi[1], r1);
   if (ACT == 2) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      r0[j] = f16x2_to_bf16x2(r0[j]);
-      r1[j] = f16x2_to_bf16x2(r1[j]);
-    }
+    decode8_bf16(w0.v[q], q < 2 ? slo[0] : shi[0], r0);
+    decode8_bf16(w1.v[q], q < 2 ? slo[1] : shi[1], r1);
+  } else {
+    decode8(w0.v[q], q < 2 ? slo[0] : shi[0], r0);
+    decode8(w1.v[q], q < 2 ? slo[1] : shi[1], r1);
   }
 }
 
@@ -312,11 +326,12 @@ __device__ __forceinline__ void store_scaled(u16* out, const void* bias, float p
   out[(long long)mm * LDO + n] = OUT_F16 ? to_f16(v) : to_bf16(v);
 }
 
-// The GEMV / middle-M kernels' store: 2^28 (W4A4) or 2^14 (W4A16), the
-// decoders' 2^-14 per decoded operand.
+// The GEMV / middle-M kernels' store: 2^28 (W4A4: 2^-14 per decoded operand),
+// 2^14 (fp16 activation) or 2^7 (bf16 activation), the weight decoder's scaling.
 template <int ACT, int BIAS, bool OUT_F16, int LDO>
 __device__ __forceinline__ void store_out(u16* out, const void* bias, float alpha, int mm, int n, float s) {
-  store_scaled<BIAS, OUT_F16, LDO>(out, bias, ACT == 0 ? 268435456.0f : 16384.0f, alpha, mm, n, s);
+  store_scaled<BIAS, OUT_F16, LDO>(out, bias, ACT == 0 ? 268435456.0f : ACT == 1 ? 16384.0f : 128.0f, alpha, mm,
+                                    n, s);
 }
 
 // Byte offset of swizzled scale column 8 * unit0 + 2 t (unit 0) of row r when

@@ -49,7 +49,10 @@
 //    per register, exact (e2m1 * e4m3 * 2^-14 is a multiple of 2^-24 below
 //    0.17 with at most 7 significant bits: fp16 holds it, subnormals included,
 //    no .ftz).  The tensor core's products of two exact fp16 are exact; the
-//    2^-28 goes back in the epilogue (a power of two).
+//    2^-28 goes back in the epilogue (a power of two).  With a bf16
+//    activation (G_ACT 2) the weight goes straight to bf16 (decode8_bf16:
+//    e2m1 * s * 2^-7, as many instructions as the fp16 decoder) instead of
+//    being decoded to fp16 and converted.
 //  * Split K across the warps of a CTA (shared-memory sums in warp order) and
 //    across the CTAs of a cluster (DSMEM sums in rank order): no workspace,
 //    no atomics, no counters, bit-reproducible, CUDA-graph safe.
@@ -195,8 +198,8 @@ __device__ __forceinline__ void mma_batch_wide(float (&acc)[NT][MF][4], const Ba
     u32 slo[NT][2], shi[NT][2];
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      scale_pairs(b.ws[i][t][0], slo[t][0], shi[t][0]);
-      scale_pairs(b.ws[i][t][1], slo[t][1], shi[t][1]);
+      weight_scale_pairs<ACT>(b.ws[i][t][0], slo[t][0], shi[t][0]);
+      weight_scale_pairs<ACT>(b.ws[i][t][1], slo[t][1], shi[t][1]);
     }
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -244,8 +247,8 @@ __device__ __forceinline__ void mma_batch(float (&acc)[NT][MF][4], const Batch& 
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       u32 slo[2], shi[2];
-      scale_pairs(b.ws[i][t][0], slo[0], shi[0]);
-      scale_pairs(b.ws[i][t][1], slo[1], shi[1]);
+      weight_scale_pairs<ACT>(b.ws[i][t][0], slo[0], shi[0]);
+      weight_scale_pairs<ACT>(b.ws[i][t][1], slo[1], shi[1]);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         u32 r0[4], r1[4];  // rows g and g + 8, k offsets 8q .. 8q + 7 of the chunk

@@ -327,8 +327,8 @@ __device__ __forceinline__ void mma_step(float (&acc)[NTW][MF][4], const WRegs& 
     u32 slo[NTW][2], shi[NTW][2];
 #pragma unroll
     for (int t = 0; t < NTW; ++t) {
-      scale_pairs(wr.ws[i][t][0], slo[t][0], shi[t][0]);
-      scale_pairs(wr.ws[i][t][1], slo[t][1], shi[t][1]);
+      weight_scale_pairs<ACT>(wr.ws[i][t][0], slo[t][0], shi[t][0]);
+      weight_scale_pairs<ACT>(wr.ws[i][t][1], slo[t][1], shi[t][1]);
     }
 #pragma unroll
     for (int q = 0; q < 4; ++q) {

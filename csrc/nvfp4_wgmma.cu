@@ -251,10 +251,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[128], const u32 (&a)[4], u64
 __device__ __forceinline__ u32 scale_reg(u32 pair) {
   const u32 h2 = e4m3x2_to_f16x2(pair);
 #if W_ACT == 2
-  const float f = f16_to_f32((u16)h2) * 6.6461399789245794e35f;  // 2^119, exact
-  u32 s;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(s) : "f"(f));
-  return s;
+  return scale_pair_bf16(h2);
 #else
   return h2;
 #endif

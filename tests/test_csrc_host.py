@@ -139,19 +139,33 @@ def test_decode8_bf16_every_code_in_every_nibble_with_every_scale(dec):
     _check_decoded(dec("decode8_bf16", np.stack([words, _bf16_scale_pair(scales)], 1)), words, scales, "bf16", -7)
 
 
-@pytest.mark.parametrize("op,dtype", [("weight_word_f16", np.float16), ("weight_word_bf16", "bf16")])
-def test_weight_word_decodes_its_word_with_its_blocks_scale(dec, op, dtype):
-    """Word q of rows g, g + 8: words 0-1 take the first block's scale pair, 2-3 the second's."""
+@pytest.mark.parametrize("op,dtype,pow2", [("weight_word_f16", np.float16, -14), ("weight_word_bf16", "bf16", -7)])
+def test_weight_word_decodes_its_word_with_its_blocks_scale(dec, op, dtype, pow2):
+    """Word q of rows g, g + 8: words 0-1 take the first block's scale pair, 2-3 the second's;
+    fp16 e2m1 * s * 2^-14, or straight to bf16 e2m1 * s * 2^-7 (no fp16 step)."""
     rng = np.random.default_rng()
     n = 4000
     w = rng.integers(0, 2 ** 32, (n, 8))
     q = rng.integers(0, 4, n)
     sb = rng.integers(0, 0x7F, (n, 4)) | (rng.integers(0, 2, (n, 4)) << 7)  # finite scales: slo0 slo1 shi0 shi1
-    regs = dec(op, np.concatenate([w, q[:, None], _scale_pair(sb)], 1))
+    pairs = _scale_pair(sb) if dtype == np.float16 else _bf16_scale_pair(sb)
+    regs = dec(op, np.concatenate([w, q[:, None], pairs], 1))
     for row in range(2):
         word = w[np.arange(n), 4 * row + q]
         scale = np.where(q < 2, sb[:, row], sb[:, 2 + row])
-        _check_decoded(regs[:, 4 * row:4 * row + 4], word, scale, dtype)
+        _check_decoded(regs[:, 4 * row:4 * row + 4], word, scale, dtype, pow2)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bf16"])
+def test_weight_scale_pairs_every_byte_pair(dec, dtype):
+    """Both blocks' pairs in the decoder's format: fp16 [s : s], or bf16 [s 2^119 : s 2^119]; NaN stays NaN."""
+    two = np.arange(65536)
+    lo, hi = dec("weight_scale_pairs_f16" if dtype == np.float16 else "weight_scale_pairs_bf16", two).T
+    scale = 1.0 if dtype == np.float16 else 2.0 ** 119
+    for words, byte in ((lo, two & 0xFF), (hi, two >> 8)):
+        a, b = halves(words, dtype)
+        want = e4m3_value(byte) * scale
+        assert same(a, want) and same(b, want)
 
 
 def test_act_pairs_match_the_decoder_order(dec):
@@ -223,10 +237,13 @@ def test_host_hmul2_rounds_like_ieee_fp16(dec):
         assert same(g, want)
 
 
-def test_host_f16x2_to_bf16x2_rounds_to_nearest_even(dec):
+def test_host_scale_pair_bf16_rounds_like_torch(dec):
+    """Every fp16 pattern in the low half (the high half ignored): bf16(f32(h) * 2^119) in both halves."""
     h = np.arange(65536)
-    words = h | (h[::-1] << 16)
-    got = halves(dec("f16x2_to_bf16x2", words)[:, 0], "bf16")
-    for g, src in zip(got, halves(words)):
-        want = torch.from_numpy(src).float().bfloat16().double().numpy()
+    words = h | (np.random.default_rng().integers(0, 65536, h.size) << 16)
+    got = dec("scale_pair_bf16", words)[:, 0]
+    src = torch.from_numpy(h.astype(np.uint16).view(np.float16)).float()
+    with np.errstate(all="ignore"):
+        want = (src * 2.0 ** 119).bfloat16().double().numpy()
+    for g in halves(got, "bf16"):
         assert same(g, want)

@@ -58,7 +58,15 @@ static void op_e4m3x2_to_f16x2(const word* in, std::vector<word>& out) { out.pus
 
 static void op_hmul2(const word* in, std::vector<word>& out) { out.push_back(hmul2(in[0], in[1])); }
 
-static void op_f16x2_to_bf16x2(const word* in, std::vector<word>& out) { out.push_back(f16x2_to_bf16x2(in[0])); }
+static void op_scale_pair_bf16(const word* in, std::vector<word>& out) { out.push_back(scale_pair_bf16(in[0])); }
+
+template <int ACT>
+static void op_weight_scale_pairs(const word* in, std::vector<word>& out) {  // two -> (lo, hi)
+  u32 lo, hi;
+  weight_scale_pairs<ACT>(in[0], lo, hi);
+  out.push_back(lo);
+  out.push_back(hi);
+}
 
 int main(int argc, char** argv) {
   static const Op ops[] = {
@@ -71,7 +79,9 @@ int main(int argc, char** argv) {
       {"scale_offset", 3, op_scale_offset},
       {"e4m3x2_to_f16x2", 1, op_e4m3x2_to_f16x2},
       {"hmul2", 2, op_hmul2},
-      {"f16x2_to_bf16x2", 1, op_f16x2_to_bf16x2},
+      {"scale_pair_bf16", 1, op_scale_pair_bf16},
+      {"weight_scale_pairs_f16", 1, op_weight_scale_pairs<0>},
+      {"weight_scale_pairs_bf16", 1, op_weight_scale_pairs<2>},
   };
   return run_harness(argc, argv, ops, sizeof(ops) / sizeof(ops[0]));
 }
