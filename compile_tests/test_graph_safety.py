@@ -12,8 +12,8 @@ earlier test ran can have allocated what the case needs:
 * two captured graphs replayed at the same time on two streams equal
   one-after-the-other replays, for every op x backend;
 * the reproduction of issue #14 (item 1);
-* ``decode_cublas`` on its cuBLASLt path (``SCALEDMM_NVFP4_CUBLASLT=1``, off
-  by default until measured): its matrix and two-stream cases again.
+* ``decode_cublas`` on its two-step path (``SCALEDMM_NVFP4_CUBLASLT=0``; the
+  default is one cuBLASLt call): its matrix and two-stream cases again.
 
 The processes run ``SCALEDMM_GRAPH_SAFETY_JOBS`` at a time (default: half
 the CPU cores, at most 8) unless pytest-xdist spreads the tests itself.
@@ -172,20 +172,21 @@ def test_compiled_cudagraphs_equal_eager(runner, case):
     assert r.returncode == 0, report(r)
 
 
-LT_ENV = {"SCALEDMM_NVFP4_CUBLASLT": "1"}
-LT_CASES = [c for c in MATRIX + STREAMS if c[1] == "decode_cublas"]
+TWO_STEP_ENV = {"SCALEDMM_NVFP4_CUBLASLT": "0"}
+DECODE_CUBLAS_CASES = [c for c in MATRIX + STREAMS if c[1] == "decode_cublas"]
 
 
 @pytest.mark.gpu
 @requires_cuda
 @long_wait
-@pytest.mark.parametrize("case", LT_CASES, ids=_id)
-def test_decode_cublas_on_cublaslt_is_graph_safe(case):
-    """The cuBLASLt path makes its handle and plans in the first call (a
-    warm-up outside capture under reduce-overhead) and allocates its
-    workspace per call: the same matrix and two-stream checks, in a fresh
-    process with the switch on."""
-    r = run_child(matrix_argv(case) if len(case) == 4 else streams_argv(case), env=LT_ENV)
+@pytest.mark.parametrize("case", DECODE_CUBLAS_CASES, ids=_id)
+def test_decode_cublas_two_step_is_graph_safe(case):
+    """The matrix and the other tests run ``decode_cublas`` as one cuBLASLt
+    call (handle and plans made in the first call, a warm-up outside capture
+    under reduce-overhead; workspace per call).  Its other path, cuBLAS's
+    fp32 GEMM then a Triton epilogue: the same matrix and two-stream checks,
+    in a fresh process with the switch off."""
+    r = run_child(matrix_argv(case) if len(case) == 4 else streams_argv(case), env=TWO_STEP_ENV)
     assert r.returncode == 0, report(r)
 
 

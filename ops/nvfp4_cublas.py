@@ -13,9 +13,10 @@ in-register decode with the tensor-core MMAs.  This backend separates them:
    semantics), on CUDA in ONE cuBLASLt call
    (:func:`scaledmm.cublaslt.gemm_alpha_dev`: ``alpha`` read from device
    memory, the bias added in cuBLASLt's epilogue, the output written
-   directly) when ``SCALEDMM_NVFP4_CUBLASLT=1`` (off by default until
-   measured on the H200).  Otherwise, and where that path cannot run (the
-   CPU under the Triton interpreter, libcublasLt missing, cuBLASLt without
+   directly), unless ``SCALEDMM_NVFP4_CUBLASLT=0`` (on by default: the
+   faster path on the H200's Llama-3-8B layer at M = 4096).  Otherwise,
+   and where that path cannot run (the CPU under the Triton interpreter,
+   libcublasLt missing, cuBLASLt without
    an algorithm for the dtypes/alignment: e.g. a bias whose dtype is not the
    16-bit output's, or W4A16 with an output of the other 16-bit type), in
    two steps: ``acc = xd @ wd.T`` in fp32 (``aten::mm.dtype`` on CUDA: cuBLAS with fp32 output;
@@ -121,7 +122,7 @@ def uses_cublaslt(device: torch.device) -> bool:
     """Whether the multiply and epilogue run as one cuBLASLt call on ``device``:
     a CUDA device where :func:`scaledmm.cublaslt.available` holds and
     ``SCALEDMM_NVFP4_CUBLASLT`` is on (:func:`scaledmm.env.nvfp4_cublaslt`,
-    read at every call; default off).
+    read at every call; default on).
 
     Examples
     --------

@@ -16,7 +16,7 @@ an fp32-output GEMM and one fused epilogue (the fallback).
 * GPU tests (``@requires_cuda``): llama8b shapes at M = 128, 1023, 4096
   against float64 (fp32 output within fp32 accumulation error: the
   exactness claim), chunking, CUDA-graph capture, M = 0 and N = 0; the
-  cuBLASLt path (``SCALEDMM_NVFP4_CUBLASLT=1``, default off) and the
+  cuBLASLt path (``SCALEDMM_NVFP4_CUBLASLT``, default on) and the
   two-step path both against float64 and within one output ulp of each other.
 
 References: float64 math on operands decoded by ``ops/nvfp4.dequantize``.
@@ -397,11 +397,11 @@ def test_is_supported_gates(monkeypatch):
 
 
 def test_cublaslt_switch_selects_the_path(monkeypatch):
-    """SCALEDMM_NVFP4_CUBLASLT (read at every call; default off): 1 selects the cuBLASLt path."""
+    """SCALEDMM_NVFP4_CUBLASLT (read at every call; default on): 0 / false / no / empty select the two-step path."""
     cuda0 = torch.device("cuda", 0)
     monkeypatch.delenv(env.NVFP4_CUBLASLT, raising=False)
     monkeypatch.setattr(cublaslt, "available", lambda device=None: (True, "stand-in"))
-    assert not dc.uses_cublaslt(cuda0) and not env.nvfp4_cublaslt()
+    assert dc.uses_cublaslt(cuda0) and env.nvfp4_cublaslt()
     for value, on in (("0", False), ("", False), (" False ", False), ("no", False), ("1", True), ("yes", True)):
         monkeypatch.setenv(env.NVFP4_CUBLASLT, value)
         assert dc.uses_cublaslt(cuda0) is on, value
