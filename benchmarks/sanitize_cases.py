@@ -526,20 +526,21 @@ def case_fp8_wgmma_persistent(ctx: Ctx, block: bool):
     two or more.  ``fp8_scaled_mm`` per-token x per-channel at M = 1000, N =
     1040 in 64 x 64 tiles (one warpgroup; 272 tiles); or ``fp8_block_mm`` at
     M = 1000, N = 2208 in 128 x 64 tiles, one warpgroup (each stage's weight
-    scale copied beside its activation scales; 280 tiles).
-    The last activation tile and weight tile run past M and N, K = 1040 ends
-    in a 16-wide stage."""
+    scale copied beside its activation scales; 280 tiles), K = 272: three
+    stages a tile (at K = 1040 racecheck and synccheck outran 100 s).
+    The last activation tile and weight tile run past M and N, K ends in a
+    16-wide stage."""
     import torch
 
     from scaledmm.ops import fp8 as f8
     from scaledmm.ops import fp8_block as fb
     from scaledmm.ops import fp8_wgmma as fw
 
-    m, n, k = 1000, (2208 if block else 1040), 1040
+    m, n, k = 1000, (2208 if block else 1040), (272 if block else 1040)
     fp8 = torch.float8_e4m3fn
     if block:
         a, b = ctx.randn(m, k, scale=2.0).to(fp8), ctx.randn(n, k, scale=2.0).to(fp8)
-        sa, sb = ctx.rand(m, 9), ctx.rand(-(-n // 128), 9)
+        sa, sb = ctx.rand(m, -(-k // 128)), ctx.rand(-(-n // 128), -(-k // 128))
         ref = fb.reference_mm_f32(a, b, sa, sb, (128, 128)).double()
         d = [t.to(ctx.dev) for t in (a, b, sa, sb)]
         need_backend("fp8_block", "cuda_wgmma", fb.problem(d[0], d[1], (128, 128), torch.bfloat16, False))
