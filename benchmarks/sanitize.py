@@ -160,8 +160,6 @@ CASES: tuple[Case, ...] = (
          "to two consumer warpgroups (setmaxnreg)", "M100 N208 K1040", csrc=True),
     Case("fp8_wgmma_persistent", "fp8_scaled_mm cuda_wgmma, persistent grid: 272 tiles of 64 x 64, CTAs taking two "
          "or more, the ring running on from tile to tile", "M1000 N1040 K1040", csrc=True),
-    Case("fp8_wgmma_block_persistent", "fp8_block_mm cuda_wgmma, persistent grid of 128 x 64 tiles, each stage's "
-         "weight scale copied beside its activation scales (280 tiles)", "M1000 N2208 K272", csrc=True),
     Case("fp8_wgmma_linear", "fp8_block_linear cuda_wgmma (G_QUANT: bf16 rows by TMA, quantized by the consumers "
          "into the swizzled e4m3 slot, async-proxy fence, named barrier), one warpgroup, K split over 2 CTAs",
          "M100 N208 K1152", csrc=True),

@@ -519,34 +519,21 @@ def case_fp8_wgmma_block(ctx: Ctx, chain: int):
     return close(out, ref, 1e-2, first)
 
 
-def case_fp8_wgmma_persistent(ctx: Ctx, block: bool):
+def case_fp8_wgmma_persistent(ctx: Ctx):
     """cuda_wgmma with a persistent grid (``WgmmaConfig.persistent``: the ring
     running on from tile to tile, the producer loading the next tile during
     the epilogue): more tiles than an H100 / H200 holds CTAs, so CTAs take
     two or more.  ``fp8_scaled_mm`` per-token x per-channel at M = 1000, N =
-    1040 in 64 x 64 tiles (one warpgroup; 272 tiles); or ``fp8_block_mm`` at
-    M = 1000, N = 2208 in 128 x 64 tiles, one warpgroup (each stage's weight
-    scale copied beside its activation scales; 280 tiles), K = 272: three
-    stages a tile (at K = 1040 racecheck and synccheck outran 100 s).
-    The last activation tile and weight tile run past M and N, K ends in a
-    16-wide stage."""
+    1040 in 64 x 64 tiles (one warpgroup; 272 tiles).  The last activation
+    tile and weight tile run past M and N, K = 1040 ends in a 16-wide stage.
+    (The block-scaled form, refused by ``config_valid``, is not
+    racecheck-clean: benchmarks/NOTES.md.)"""
     import torch
 
     from scaledmm.ops import fp8 as f8
-    from scaledmm.ops import fp8_block as fb
     from scaledmm.ops import fp8_wgmma as fw
 
-    m, n, k = 1000, (2208 if block else 1040), (272 if block else 1040)
-    fp8 = torch.float8_e4m3fn
-    if block:
-        a, b = ctx.randn(m, k, scale=2.0).to(fp8), ctx.randn(n, k, scale=2.0).to(fp8)
-        sa, sb = ctx.rand(m, -(-k // 128)), ctx.rand(-(-n // 128), -(-k // 128))
-        ref = fb.reference_mm_f32(a, b, sa, sb, (128, 128)).double()
-        d = [t.to(ctx.dev) for t in (a, b, sa, sb)]
-        need_backend("fp8_block", "cuda_wgmma", fb.problem(d[0], d[1], (128, 128), torch.bfloat16, False))
-        cfg = fw.WgmmaConfig(128, 1, 4, 1, 4, 0, 1)
-        first, out = ctx.twice(lambda: fw.block_mm(*d, (128, 128), torch.bfloat16, cfg=cfg))
-        return close(out, ref, 1e-2, first)
+    m, n, k = 1000, 1040, 1040
     a, sa = f8.reference_quant(ctx.randn(m, k, scale=2.0), None, True)
     b, sb = f8.reference_quant(ctx.randn(n, k), None, True)
     sb = sb.reshape(-1)
@@ -761,8 +748,7 @@ CHILD_CASES = {
     "fp8_wgmma_block_chain": lambda ctx: case_fp8_wgmma_block(ctx, 4),
     "fp8_wgmma_block_two_wg": lambda ctx: case_fp8_wgmma_block(ctx, 1),
     "fp8_wgmma_pwg": lambda ctx: case_fp8_wgmma(ctx, True, 2, pwg=True),
-    "fp8_wgmma_persistent": lambda ctx: case_fp8_wgmma_persistent(ctx, False),
-    "fp8_wgmma_block_persistent": lambda ctx: case_fp8_wgmma_persistent(ctx, True),
+    "fp8_wgmma_persistent": case_fp8_wgmma_persistent,
     "fp8_wgmma_linear": lambda ctx: case_fp8_wgmma_linear(ctx, 1),
     "fp8_wgmma_linear_two_wg": lambda ctx: case_fp8_wgmma_linear(ctx, 2),
     "fp8_tri_quant": case_fp8_quant,

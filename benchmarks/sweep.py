@@ -184,7 +184,7 @@ KERNELS: dict[str, SweepKernel] = {
     "fp8_wgmma": SweepKernel("fp8", "fp8_scaled_mm", f"{_FP8_WGMMA}.WgmmaConfig", _fp8_wgmma_configs,
                              _cuda_call(_FP8_WGMMA, "wgmma_mm"), _gate(_FP8_WGMMA), "llama8b",
                              (8, 16, 32, 64, 128, 256)),
-    # To M = 4096: the persistent configs are its large-M candidates.
+    # To M = 4096, the range its large-M tiles compete in.
     "fp8_wgmma_block": SweepKernel("fp8_block", "fp8_block_mm", f"{_FP8_WGMMA}.WgmmaConfig", _fp8_wgmma_block_configs,
                                    _cuda_call(_FP8_WGMMA, "block_mm"), _gate(_FP8_WGMMA), "llama8b",
                                    (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)),

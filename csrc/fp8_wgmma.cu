@@ -102,7 +102,8 @@
 //    so the CTAs running at once read a few panels of each operand through
 //    L2 instead of every activation panel.  With G_BLOCK each stage's weight
 //    scale rides in its activation-scale slot (the tile's weight block
-//    changes from tile to tile).
+//    changes from tile to tile); ops/fp8_wgmma.py refuses that form while
+//    racecheck reports its scale copies.
 //  * Programmatic dependent launch (a no-op without it): after the barrier
 //    set-up every thread waits for the previous grid (griddepcontrol.wait)
 //    before any TMA load or global access, then lets the next grid launch.

@@ -291,10 +291,13 @@ def config_valid(cfg: WgmmaConfig, n: int, k: int, block: bool = False, quant: b
     # compute-sanitizer on the GPU: synccheck finds divergent threads at the
     # split-K reduction's barrier under a producer warpgroup, and racecheck
     # the block-scaled kernel's cp.async scale copies racing the consumers'
-    # reads (benchmarks/NOTES.md); both are out until cleared.
+    # reads, with a producer warpgroup or a persistent grid (benchmarks/NOTES.md);
+    # all are out until cleared.
     if cfg.producer_wg and (cfg.split_k != 1 or block):
         return False, (f"producer_wg needs split_k 1 and per-tensor / row / column scales (not sanitizer-clean "
                        f"otherwise), got split_k={cfg.split_k}, block={block}")
+    if cfg.persistent and block:
+        return False, "persistent needs per-tensor / row / column scales (not sanitizer-clean with block scales)"
     if quant and k % KB:
         return False, f"quantizing in the kernel needs K % {KB} == 0 (whole 1 x {KB} groups), got K={k}"
     nkb = -(-k // KB)

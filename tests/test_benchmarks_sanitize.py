@@ -49,8 +49,7 @@ def test_jobs_per_case_and_order():
                   "nvfp4_mid_w4a4", "nvfp4_mid_w4a16", "nvfp4_mid_ring", "fp8_gemv_token", "fp8_gemv_block_split",
                   "nvfp4_wgmma_w4a4", "nvfp4_wgmma_w4a16", "nvfp4_wgmma_pwg", "fp8_wgmma_split", "fp8_wgmma_tensor",
                   "fp8_wgmma_two_wg", "fp8_wgmma_block_chain", "fp8_wgmma_block_two_wg", "fp8_wgmma_pwg",
-                  "fp8_wgmma_linear", "fp8_wgmma_linear_two_wg", "nvfp4_wgmma_persistent", "fp8_wgmma_persistent",
-                  "fp8_wgmma_block_persistent"}
+                  "fp8_wgmma_linear", "fp8_wgmma_linear_two_wg", "nvfp4_wgmma_persistent", "fp8_wgmma_persistent"}
     assert {c.name for c in ds.CASES if c.csrc} == csrc_cases | set(ds.CUTLASS_CONFIGS)
     assert all(name in ds.CHILD_CASES for name in ds.CUTLASS_CONFIGS)
     info = [j.info for j in jobs]
