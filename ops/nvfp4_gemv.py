@@ -10,8 +10,8 @@ instructions per value, applies the e4m3 block scales exactly in the decode
 (one ``mul.rn.f16x2`` per two values) and multiplies on ``mma.sync
 m16n8k16`` f16 tensor cores with fp32 accumulation: exact W4A4 products, fp32
 sums, one rounding to the output.  W4A16 reads the fp16 / bf16 activation
-straight into the MMA's B fragments (bf16: the exact fp16 weight values are
-converted to bf16, exactly, and the MMA runs in bf16).  Split K over warps (shared memory) and
+straight into the MMA's B fragments (bf16: the weight is decoded straight to
+bf16 with as many instructions, exactly, and the MMA runs in bf16).  Split K over warps (shared memory) and
 over the CTAs of a thread-block cluster (DSMEM), in a fixed order:
 deterministic, no workspace, CUDA-graph safe.  M buckets of 8, 16 and 32
 activation rows (W4A16: 8 and 16).  The limits are measured (H200):
