@@ -13,7 +13,9 @@ is wrong or fails to compile gets its status and no time.
 Writes ``<out>/<kernel>_sweep.csv``: columns ``n, k, m``, every field of the
 kernel's config dataclass, ``median_us`` and ``status`` (what
 ``benchmarks/tune_kernel.py`` reads), then ``op``, ``config``, ``error`` and
-``note``; and ``<out>/meta.json`` (the machine, for the file's ``source``)::
+``note``; and ``<out>/meta.json`` (the machine, for the file's ``source``).
+For the NVRTC kernels every candidate's cubin is compiled first, ``--jobs``
+at a time (:func:`prebuild`), so the timed loop finds them in the cache::
 
     python -m benchmarks sweep --kernel nvfp4_gemv --shapes llama8b --m 1,2,4,8
     python -m benchmarks.tune benchmarks/out/nvfp4_gemv_sweep.csv --kernel nvfp4_gemv \\
@@ -27,6 +29,7 @@ import csv
 import dataclasses
 import importlib
 import json
+import os
 import sys
 import typing
 from pathlib import Path
@@ -39,7 +42,7 @@ from .machine import REPO_ROOT, environment
 from .shapes import Shape, parse_ms, parse_shapes
 from .timing import TimingConfig
 
-__all__ = ["SweepKernel", "KERNELS", "candidates", "sweep", "write_csv", "main"]
+__all__ = ["SweepKernel", "KERNELS", "candidates", "prebuild", "sweep", "write_csv", "main"]
 
 
 class SweepKernel(typing.NamedTuple):
@@ -50,7 +53,9 @@ class SweepKernel(typing.NamedTuple):
     (args are the op's prepared arguments); ``call(cfg)``: the op's
     arguments -> the kernel's output with ``cfg``; ``config``: the
     ``module.Class`` of the config dataclass; ``default_shapes``: shape set
-    used without ``--shapes`` on a GPU; ``default_m``: M sweep without ``--m``.
+    used without ``--shapes`` on a GPU; ``default_m``: M sweep without ``--m``;
+    ``nvrtc``: the call compiles an :class:`scaledmm.jit.NvrtcKernelSpec`
+    (:func:`prebuild` can compile its candidates up front).
     """
 
     family: str
@@ -61,6 +66,7 @@ class SweepKernel(typing.NamedTuple):
     supported: Callable[[torch.device], tuple[bool, str]]
     default_shapes: str
     default_m: tuple[int, ...]
+    nvrtc: bool = False
 
 
 def _fp8_triton():
@@ -168,26 +174,30 @@ KERNELS: dict[str, SweepKernel] = {
                                 _nvfp4_triton_configs, _nvfp4_triton_call, _always, "llama8b",
                                 (16, 64, 256, 1024, 4096)),
     "nvfp4_gemv": SweepKernel("nvfp4", "nvfp4_mm", f"{_GEMV}.GemvConfig", _cuda_configs(_GEMV, False),
-                              _cuda_call(_GEMV, "gemv_mm"), _gate(_GEMV), "llama8b", (1, 2, 4, 8, 16, 32)),
+                              _cuda_call(_GEMV, "gemv_mm"), _gate(_GEMV), "llama8b", (1, 2, 4, 8, 16, 32),
+                              nvrtc=True),
     "nvfp4_gemv_w4a16": SweepKernel("nvfp4", "nvfp4_w4a16_mm", f"{_GEMV}.GemvConfig", _cuda_configs(_GEMV, True),
-                                    _cuda_call(_GEMV, "gemv_w4a16"), _gate(_GEMV), "llama8b", (1, 2, 4, 8, 16)),
+                                    _cuda_call(_GEMV, "gemv_w4a16"), _gate(_GEMV), "llama8b", (1, 2, 4, 8, 16),
+                                    nvrtc=True),
     "fp8_gemv": SweepKernel("fp8_linear", "fp8_linear", f"{_FP8_GEMV}.GemvConfig", _fp8_gemv_configs,
-                            _cuda_call(_FP8_GEMV, "gemv_linear"), _gate(_FP8_GEMV), "llama8b", (1, 2, 4, 8, 16)),
+                            _cuda_call(_FP8_GEMV, "gemv_linear"), _gate(_FP8_GEMV), "llama8b", (1, 2, 4, 8, 16),
+                            nvrtc=True),
     "nvfp4_mid": SweepKernel("nvfp4", "nvfp4_mm", f"{_MID}.MidConfig", _cuda_configs(_MID, False),
-                             _cuda_call(_MID, "mid_mm"), _gate(_MID), "llama8b", (32, 64, 128, 256)),
+                             _cuda_call(_MID, "mid_mm"), _gate(_MID), "llama8b", (32, 64, 128, 256), nvrtc=True),
     "nvfp4_mid_w4a16": SweepKernel("nvfp4", "nvfp4_w4a16_mm", f"{_MID}.MidConfig", _cuda_configs(_MID, True),
-                                   _cuda_call(_MID, "mid_w4a16"), _gate(_MID), "llama8b", (32, 64, 128, 256)),
+                                   _cuda_call(_MID, "mid_w4a16"), _gate(_MID), "llama8b", (32, 64, 128, 256),
+                                   nvrtc=True),
     # One table serves both ops (the W4A4 call is the W4A16 kernel after an fp16 activation decode).
     "nvfp4_wgmma": SweepKernel("nvfp4", "nvfp4_w4a16_mm", f"{_WGMMA}.WgmmaConfig", _wgmma_configs,
                                _cuda_call(_WGMMA, "wgmma_w4a16"), _gate(_WGMMA), "llama8b",
-                               (64, 128, 256, 512, 1024, 4096)),
+                               (64, 128, 256, 512, 1024, 4096), nvrtc=True),
     "fp8_wgmma": SweepKernel("fp8", "fp8_scaled_mm", f"{_FP8_WGMMA}.WgmmaConfig", _fp8_wgmma_configs,
                              _cuda_call(_FP8_WGMMA, "wgmma_mm"), _gate(_FP8_WGMMA), "llama8b",
-                             (8, 16, 32, 64, 128, 256)),
+                             (8, 16, 32, 64, 128, 256), nvrtc=True),
     # To M = 4096, the range its large-M tiles compete in.
     "fp8_wgmma_block": SweepKernel("fp8_block", "fp8_block_mm", f"{_FP8_WGMMA}.WgmmaConfig", _fp8_wgmma_block_configs,
                                    _cuda_call(_FP8_WGMMA, "block_mm"), _gate(_FP8_WGMMA), "llama8b",
-                                   (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)),
+                                   (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), nvrtc=True),
 }
 
 
@@ -228,10 +238,53 @@ def candidates(spec: SweepKernel, bench: OpBench, shape: Shape, m: int, device: 
     return found[:limit] if limit else found
 
 
+def prebuild(kernel: str, shapes: list[Shape], ms: list[int], device: torch.device, limit: int | None = None,
+             jobs: int = 1, log=sys.stderr) -> tuple[int, int, int]:
+    """Compile the cubin of every candidate config of an NVRTC kernel's
+    sweep, ``jobs`` at a time; returns (kernels recorded, failed builds,
+    calls that stopped before loading a kernel).
+
+    Each candidate's call runs once on a point's inputs under
+    :func:`scaledmm.jit.recording`, so the kernel it records is exactly
+    the one its launch path loads; nothing is launched.  A failure here
+    costs nothing but time: the timed sweep meets (and reports) it again.
+
+    Examples
+    --------
+    >>> prebuild("nvfp4_gemv", [Shape(4096, 4096)], [1, 8], torch.device("cuda"), jobs=16)  # doctest: +SKIP
+    (148, 0, 0)
+    """
+    from scaledmm import jit
+
+    spec = KERNELS[kernel]
+    bench = _bench(spec)
+    specs: dict[str, Any] = {}
+    missed = 0
+    for shape in shapes:
+        for m in ms:
+            args = bench.prepare(bench.make_inputs(m, shape, device))
+            for c in candidates(spec, bench, shape, m, device, limit):
+                with jit.recording() as found:
+                    try:
+                        spec.call(c)(*args)
+                    except jit.SpecRecorded:
+                        pass
+                    except Exception:  # noqa: BLE001  (the timed run reports it)
+                        pass
+                missed += not found
+                specs.update((s.key, s) for s in found)
+    failed = jit.build_specs(specs.values(), jobs)
+    print(f"[{kernel}] prebuilt {len(specs)} kernels, {jobs} at a time: {failed} failed, {missed} calls recorded none",
+          file=log, flush=True)
+    return len(specs), failed, missed
+
+
 def sweep(kernel: str, shapes: list[Shape], ms: list[int], device: torch.device, cfg: TimingConfig,
-          limit: int | None = None, log=sys.stderr) -> list[tuple[Any, Result]]:
+          limit: int | None = None, log=sys.stderr, jobs: int = 1) -> list[tuple[Any, Result]]:
     """``(config, result)`` of every candidate config at every (shape, M):
     checked against the float64 reference, then timed (``benchmarks.harness``).
+    An NVRTC kernel's candidates are compiled first, ``jobs`` at a time
+    (:func:`prebuild`).
 
     Examples
     --------
@@ -250,6 +303,8 @@ def sweep(kernel: str, shapes: list[Shape], ms: list[int], device: torch.device,
     import scaledmm  # noqa: F401  (defines the ops)
 
     bench = _bench(spec)
+    if spec.nvrtc:
+        prebuild(kernel, shapes, ms, device, limit, jobs, log)
     out: list[tuple[Any, Result]] = []
     for shape in shapes:
         for m in ms:
@@ -292,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "out"),
                    help="directory for <kernel>_sweep.csv and meta.json (default: benchmarks/out)")
     p.add_argument("--quick", action="store_true", help="fewer timing reps")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="NVRTC kernels: candidates compiled at a time before timing (default: the CPU count)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     return p
 
@@ -308,7 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shapes = parse_shapes(args.shapes or (spec.default_shapes if use_cuda else "tiny"))
         ms = parse_ms(args.m) if args.m else list(spec.default_m if use_cuda else (1, 17))
-        rows = sweep(args.kernel, shapes, ms, device, TimingConfig.for_device(device, args.quick), args.limit)
+        if args.jobs < 1:
+            raise ValueError(f"--jobs: expected a positive integer, got {args.jobs}")
+        rows = sweep(args.kernel, shapes, ms, device, TimingConfig.for_device(device, args.quick), args.limit,
+                     jobs=args.jobs)
     except ValueError as e:
         parser.error(str(e))
     out = Path(args.out)

@@ -153,3 +153,45 @@ def test_wrong_config_is_not_chosen(monkeypatch, tmp_path):
     chosen = kernel_tuning.load("fp8_block_triton", "cpu", ft.MMConfig, folder=tmp_path).lookup(256, 512, 16)
     assert chosen != bad[0]
     assert chosen == min((c for (_, _, _, c) in given), key=lambda c: given[(256, None, 2, c)])
+
+
+@pytest.mark.skipif(CHILD, reason="main-process test")
+def test_prebuild_compiles_exactly_what_the_calls_would_load(cache, monkeypatch):
+    """Each candidate's call runs under jit.recording(): the NVRTC kernel it
+    would load is recorded (nothing loads or launches), then built into the
+    cache ``jobs`` at a time; a call that fails before loading any kernel is
+    counted, not fatal."""
+    from scaledmm import jit
+    from scaledmm.ops import nvfp4_gemv as gv
+
+    if not jit.nvrtc_available()[0]:
+        pytest.skip("NVRTC not available")
+    n, k = 256, 512
+    cfgs = gv.candidate_configs(n, k, 8)[:3]
+
+    def spec_of(cfg):
+        return gv.kernel_spec(n, k, 8, cfg, torch.bfloat16, None, torch.uint8)
+
+    def call(cfg):
+        def run(*args):
+            if cfg == "refused":
+                raise ValueError("refused before any kernel")
+            spec_of(cfg).kernel()
+            raise AssertionError("recording lets no load through")
+        return run
+
+    fake = sweep.SweepKernel("nvfp4", "nvfp4_mm", f"{gv.__name__}.GemvConfig", lambda args, device: [*cfgs, "refused"],
+                             call, lambda device: (True, ""), "tiny", (1,), nvrtc=True)
+    monkeypatch.setitem(sweep.KERNELS, "fake_nvrtc", fake)
+    assert not any(spec_of(c).cached() for c in cfgs)
+    log = []
+    got = sweep.prebuild("fake_nvrtc", [sweep.Shape(n, k)], [1, 3], torch.device("cpu"), jobs=2,
+                         log=type("L", (), {"write": lambda self, s: log.append(s), "flush": lambda self: None})())
+    assert got == (3, 0, 2)  # the same three kernels at both M; the refused config at each point
+    assert all(spec_of(c).cached() for c in cfgs)
+    assert "prebuilt 3 kernels" in "".join(log)
+    with jit.recording() as specs:  # recording is per block, and blocks do not nest
+        with pytest.raises(RuntimeError, match="already recording"):
+            with jit.recording():
+                pass
+    assert specs == []

@@ -57,6 +57,7 @@ from .core import (  # noqa: F401  (re-exports; the private names are used by op
     _nvcc_version,
     _nvrtc_version,
     _package_csrc,
+    build_specs,
     cache_dir,
     cached_entries,
     cuda_include_dirs,
@@ -67,7 +68,16 @@ from .core import (  # noqa: F401  (re-exports; the private names are used by op
     source_closure,
 )
 from .nvcc import NvccLibrarySpec  # noqa: F401
-from .nvrtc import CudaKernel, CudaModule, NvrtcKernelSpec, cuda_driver, sm90a_gate, tensor_map_2d  # noqa: F401
+from .nvrtc import (  # noqa: F401
+    CudaKernel,
+    CudaModule,
+    NvrtcKernelSpec,
+    SpecRecorded,
+    cuda_driver,
+    recording,
+    sm90a_gate,
+    tensor_map_2d,
+)
 
 __all__ = [
     "JitError",
@@ -78,6 +88,9 @@ __all__ = [
     "NvccLibrarySpec",
     "NvrtcKernelSpec",
     "CudaKernel",
+    "SpecRecorded",
+    "recording",
+    "build_specs",
     "nvcc_path",
     "nvrtc_available",
     "sm90a_gate",

@@ -10,16 +10,14 @@ them."""
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import logging
 import os
 import sys
-import time
 from typing import Sequence
 
 from .core import _env as env
-from .core import (PREBUILD, ENV_CACHE_DIR, ENV_NO_BUILD, CacheDirError, JitError, _nvcc_version, cache_dir,
-                   cached_entries, nvcc_path, nvrtc_available)
+from .core import (PREBUILD, ENV_CACHE_DIR, ENV_NO_BUILD, JitError, _nvcc_version, build_specs,
+                   cache_dir, cached_entries, nvcc_path, nvrtc_available)
 
 
 def _cmd_status(args) -> int:
@@ -64,25 +62,15 @@ def _cmd_build(args) -> int:
         print(f"python -m scaledmm.jit build: --jobs: expected a positive integer, got {args.jobs}", file=sys.stderr)
         return 2
 
-    def one(spec) -> bool:
-        t0 = time.perf_counter()
-        try:
-            was = spec.cached()
-            path = spec.build()
-        except CacheDirError:
-            raise  # the same for every spec: reported once by main
-        except JitError as e:
-            print(f"  {spec.name:<28} FAILED: {e}", file=sys.stderr, flush=True)
-            return False
-        state = "cached" if was else f"built in {time.perf_counter() - t0:.1f} s"
-        print(f"  {spec.name:<28} {spec.key[:16]}  {state}  {path}", flush=True)
-        return True
+    def report(spec, result, seconds: float, was_cached: bool) -> None:
+        if isinstance(result, JitError):
+            print(f"  {spec.name:<28} FAILED: {result}", file=sys.stderr, flush=True)
+            return
+        state = "cached" if was_cached else f"built in {seconds:.1f} s"
+        print(f"  {spec.name:<28} {spec.key[:16]}  {state}  {result}", flush=True)
 
-    # Each build is its own compiler process and cache entry (locked, written
-    # atomically), so threads only wait on them.
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        ok = list(pool.map(one, specs))
-    return 0 if all(ok) else 1
+    failed = build_specs(specs, args.jobs, report)
+    return 0 if not failed else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,13 +5,14 @@ something is compiled or launched."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
 import re
 import threading
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from .core import (CompileError, JitError, _check_arch, _digest, _ensure_entry, _entry_dir, _entry_ok,
                    _file_digests, _FORMAT, _hashable, _normalize_defines, _nvrtc_version, _package_csrc,
@@ -221,7 +222,13 @@ class NvrtcKernelSpec:
         """Build if needed; the module (loaded on a device at first launch).
 
         The driver gets exactly the bytes that were checked against the
-        entry's recorded sha256."""
+        entry's recorded sha256.  Inside :func:`recording` it records this
+        spec and raises :class:`SpecRecorded` instead (nothing is built,
+        loaded or launched)."""
+        recorded = getattr(_RECORDING, "specs", None)
+        if recorded is not None:
+            recorded.append(self)
+            raise SpecRecorded(self)
         mod = MODULES.get(self.key)
         if mod is None:
             path, cubin = self._entry(read=True)
@@ -240,6 +247,42 @@ class NvrtcKernelSpec:
 
 
 MODULES: dict[str, "CudaModule"] = {}
+_RECORDING = threading.local()
+
+
+class SpecRecorded(Exception):
+    """Raised by :meth:`NvrtcKernelSpec.load` inside :func:`recording`: the
+    call that was about to load (and launch) ``spec`` stops there."""
+
+    def __init__(self, spec: NvrtcKernelSpec):
+        super().__init__(f"recorded {spec.name} ({spec.key[:16]})")
+        self.spec = spec
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[NvrtcKernelSpec]]:
+    """Within the block (this thread only), a spec's first need of its module
+    appends the spec to the yielded list and raises :class:`SpecRecorded`:
+    a way to learn which kernel a launch path would compile, from the path
+    itself, without compiling or launching it.
+
+    Examples
+    --------
+    >>> from scaledmm import jit
+    >>> with jit.recording() as specs:                     # doctest: +SKIP
+    ...     try:
+    ...         launch_something(cfg)
+    ...     except jit.SpecRecorded:
+    ...         pass
+    >>> jit.build_specs(specs, jobs=16)                    # doctest: +SKIP
+    """
+    if getattr(_RECORDING, "specs", None) is not None:
+        raise RuntimeError("jit.recording(): already recording in this thread")
+    _RECORDING.specs = specs = []
+    try:
+        yield specs
+    finally:
+        _RECORDING.specs = None
 
 
 _TMA_DTYPES = {1: "CU_TENSOR_MAP_DATA_TYPE_UINT8", 2: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
