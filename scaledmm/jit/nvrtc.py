@@ -261,7 +261,7 @@ class SpecRecorded(Exception):
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[NvrtcKernelSpec]]:
-    """Within the block (this thread only), a spec's first need of its module
+    """Within the block (this thread only), any spec's load of its module
     appends the spec to the yielded list and raises :class:`SpecRecorded`:
     a way to learn which kernel a launch path would compile, from the path
     itself, without compiling or launching it.
