@@ -28,7 +28,7 @@
 //   G_QUANT      with G_BLOCK, 1: fp8_block_linear: the activation comes as
 //                bf16 / fp16 (G_IN 0 / 1) and is quantized per 1 x 128 group
 //                in the kernel (K % 128 == 0)
-//   G_PWG        1 (with G_WG 2, not G_QUANT): the producer is a whole
+//   G_PWG        1 (with G_WG 2 and G_SPLIT 1, not G_QUANT): the producer is a whole
 //                warpgroup that hands registers to the consumers
 //                (setmaxnreg: 40 / 232 instead of 168 for all), so a 128 x 128
 //                tile with two fp32 fragments a thread fits: the large-M tile
@@ -208,6 +208,9 @@ static_assert(G_BLOCK == 0 || G_QUANT == 1 || G_BIAS == 0, "the block-scaled GEM
 static_assert(G_QUANT == 0 || (G_BLOCK == 1 && K % KB == 0), "G_QUANT needs G_BLOCK and K % 128 == 0");
 static_assert(G_IN == 0 || G_IN == 1, "G_IN must be 0 (bf16) or 1 (fp16)");
 static_assert(G_PWG == 0 || (G_PWG == 1 && WGS == 2 && G_QUANT == 0), "G_PWG 1 needs G_WG 2 and no G_QUANT");
+// The split-K reduction's barriers are the consumers' (synccheck: divergent with
+// the producers returning early).
+static_assert(G_PWG == 0 || SPLIT == 1, "G_PWG 1 needs G_SPLIT 1");
 static_assert(G_PERSIST == 0 || (G_PERSIST == 1 && SPLIT == 1 && G_QUANT == 0),
               "G_PERSIST 1 needs G_SPLIT 1 and no G_QUANT");
 constexpr float FP8_MAX = 448.0f;
@@ -498,9 +501,6 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
     }
     __syncwarp();
 #if G_PWG
-#if G_SPLIT > 1
-    cluster_reduce_idle();  // the split-K reduction's CTA and cluster barriers
-#endif
     return;
   }
   consumer_registers();
@@ -592,7 +592,7 @@ fp8_wgmma(const __grid_constant__ f8w::TmaMap tmap_a, const __grid_constant__ f8
 
 #if !G_PERSIST
 #if G_SPLIT > 1
-  if (!cluster_reduce<ACC, THREADS, SPLIT>(acc, smem0, tid, G_PWG || !producer)) return;
+  if (!cluster_reduce<ACC, THREADS, SPLIT>(acc, smem0, tid, !producer)) return;
 #endif
 #if !G_PWG
   if (producer) return;

@@ -16,7 +16,7 @@
 //   W_WG         consumer warpgroups (1 or 2): the CTA owns BN = 64 W_WG
 //                weight rows, 64 per warpgroup (the wgmma M)
 //   W_ST         pipeline stages of 64 K (4 .. 8)
-//   W_PWG        1 (with W_WG 2): the producer is a whole warpgroup that
+//   W_PWG        1 (with W_WG 2 and W_SPLIT 1): the producer is a whole warpgroup that
 //                hands registers to the consumers (setmaxnreg 40 / 232
 //                instead of 168 for all nine warps), so two warpgroups of
 //                256-row tiles (128 accumulators each) fit
@@ -153,6 +153,9 @@ constexpr float DECODE_POW = W_ACT == 2 ? 128.0f : 16384.0f;
 static_assert(K % KB == 0, "K must be a multiple of 64");
 static_assert(BT == 32 || BT == 64 || BT == 128 || BT == 256, "W_BT must be 32, 64, 128 or 256");
 static_assert(W_PWG == 0 || (W_PWG == 1 && WGS == 2), "W_PWG 1 needs W_WG 2");
+// The split-K reduction's barriers are the consumers' (synccheck: divergent with
+// the producers returning early).
+static_assert(W_PWG == 0 || SPLIT == 1, "W_PWG 1 needs W_SPLIT 1");
 static_assert(WGS == 1 || WGS == 2, "W_WG must be 1 or 2");
 static_assert(STAGES >= 4 && STAGES <= 8, "W_ST must be 4..8");
 static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "W_SPLIT must be 1, 2 or 4");
@@ -427,9 +430,6 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
     }
     __syncwarp();
 #if W_PWG
-#if W_SPLIT > 1
-    cluster_reduce_idle();  // the split-K reduction's CTA and cluster barriers
-#endif
     return;
   }
   consumer_registers();
@@ -510,7 +510,7 @@ nvfp4_wgmma(const __grid_constant__ wg::TmaMap tmap_x, const __grid_constant__ w
 
 #if !W_PERSIST
 #if W_SPLIT > 1
-  if (!cluster_reduce<ACC, THREADS, SPLIT>(acc, smem0, tid, W_PWG || !producer)) return;
+  if (!cluster_reduce<ACC, THREADS, SPLIT>(acc, smem0, tid, !producer)) return;
 #endif
 #if !W_PWG
   if (producer) return;

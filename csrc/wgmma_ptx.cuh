@@ -154,12 +154,4 @@ __device__ __forceinline__ void consumer_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
 }
 
-// cluster_reduce's barriers for a thread without accumulators (a producer
-// warp that returns early): the same CTA barrier and two cluster barriers.
-__device__ __forceinline__ void cluster_reduce_idle() {
-  __syncthreads();
-  cluster_sync();
-  cluster_sync();
-}
-
 }  // namespace wg_ptx

@@ -142,6 +142,11 @@ def test_kernel_rejects_bad_defines():
                                defines=fw.WgmmaConfig().defines(64, 72, BF16, None))
     with pytest.raises(jit.CompileError, match="multiple of 16"):
         spec.compile()
+    # the kernel itself refuses what config_valid refuses: a producer warpgroup with split K
+    pwg_split = jit.NvrtcKernelSpec(fw.KERNEL, fw.source_path(), arch=fw.ARCH,
+                                    defines=fw.WgmmaConfig(128, 2, 4, 2, 1, 1).defines(4096, 4096, BF16, None))
+    with pytest.raises(jit.CompileError, match="G_PWG 1 needs G_SPLIT 1"):
+        pwg_split.compile()
 
 
 @pytest.mark.parametrize("cfg,n,k,why", [

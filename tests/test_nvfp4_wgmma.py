@@ -81,6 +81,11 @@ def test_kernel_rejects_bad_defines():
                                defines=wg.WgmmaConfig().defines(64, 96, BF16, None, BF16))
     with pytest.raises(jit.CompileError, match="multiple of 64"):
         spec.compile()
+    # the kernel itself refuses what config_valid refuses: a producer warpgroup with split K
+    pwg_split = jit.NvrtcKernelSpec(wg.KERNEL, wg.source_path(), arch=wg.ARCH,
+                                    defines=wg.WgmmaConfig(256, 2, 4, 2, 1).defines(4096, 4096, BF16, None, BF16))
+    with pytest.raises(jit.CompileError, match="W_PWG 1 needs W_SPLIT 1"):
+        pwg_split.compile()
 
 
 @pytest.mark.parametrize("cfg,n,k,why", [
