@@ -133,6 +133,8 @@ CASES: tuple[Case, ...] = (
     Case("nvfp4_gemv_w4a16", "nvfp4_w4a16_mm cuda_gemv, bf16 activation", "M9 N200 K736, strided x", csrc=True),
     Case("nvfp4_gemv_wide", "nvfp4_mm cuda_gemv, the 32-row bucket (word-at-a-time decode path)",
          "M29 N200 K736, strided a", csrc=True),
+    Case("nvfp4_gemv_linear", "nvfp4_linear cuda_gemv: the activation quantized in the kernel (G_QUANT)",
+         "M7 N200 K736, strided x, bias", csrc=True),
     Case("nvfp4_mid_w4a4", "nvfp4_mm cuda_mid (csrc/nvfp4_mid.cu), two 64-row slices",
          "M100 N200 K736, strided a", csrc=True),
     Case("nvfp4_mid_w4a16", "nvfp4_w4a16_mm cuda_mid, bf16 activation, 64-row bucket", "M40 N200 K736, strided x",

@@ -415,6 +415,31 @@ def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, rows: int | None = None, backend: str
     return close(out, ref, 1e-2, first)
 
 
+def case_nvfp4_gemv_linear(ctx: Ctx):
+    """cuda_gemv quantizing in the kernel (``nvfp4_linear``): M = 7 strided
+    bf16 rows, a bias; the result must equal the reference quantization's
+    GEMM within the usual bound."""
+    import torch
+
+    import scaledmm
+    from scaledmm.ops import nvfp4 as nv
+
+    _, n, k = GEMV_MNK
+    m = 7
+    x, qa, sa, ga = _nvfp4_quantized(ctx, m, k)
+    _, qb, sb, gb = _nvfp4_quantized(ctx, n, k)
+    alpha = (1.0 / (ga * gb)).float()
+    bias = ctx.randn(n, dtype=torch.bfloat16)
+    x_d = ctx.strided(x)
+    qb_d, sb_d, gs_d, alpha_d, bias_d = (t.to(ctx.dev) for t in (qb, sb, ga.float(), alpha, bias))
+    need_backend("nvfp4", "cuda_gemv", nv.linear_problem(x_d, qb_d, torch.bfloat16, bias_d))
+    with scaledmm.use_backend("nvfp4", "cuda_gemv"):
+        first, out = ctx.twice(lambda: torch.ops.scaledmm.nvfp4_linear(x_d, qb_d, sb_d, gs_d, alpha_d,
+                                                                       torch.bfloat16, bias_d))
+    ref = (nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t()) * float(alpha) + bias.double()
+    return close(out, ref, 1e-2, first)
+
+
 def case_nvfp4_wgmma(ctx: Ctx, w4a16: bool, pwg: bool = False, persistent: bool = False):
     """cuda_wgmma (csrc/nvfp4_wgmma.cu: TMA ring, producer warp, wgmma): W4A4
     at M = 100 in two 64-row tiles with K split over a 2-CTA cluster (``pwg``:
@@ -733,6 +758,7 @@ CHILD_CASES = {
     "nvfp4_gemv_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False),
     "nvfp4_gemv_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True),
     "nvfp4_gemv_wide": lambda ctx: case_nvfp4_gemv(ctx, False, 29),
+    "nvfp4_gemv_linear": case_nvfp4_gemv_linear,
     "nvfp4_mid_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False, 100, "cuda_mid"),
     "nvfp4_mid_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True, 40, "cuda_mid"),
     "nvfp4_mid_ring": case_nvfp4_mid_ring,

@@ -147,6 +147,7 @@ OP_CASES = {
     "unswizzle_block_scales": "unswizzle_block_scales",
     "nvfp4_mm": "nvfp4_mm",
     "nvfp4_w4a16_mm": "nvfp4_w4a16_mm",
+    "nvfp4_linear": "nvfp4_linear",
     "dsv3_fused_a_gemm": "dsv3_fused_a_gemm",
     "dsv3_fused_a_gemm_pdl_strided": "dsv3_fused_a_gemm",
     "dynamic_skinny_linear_m5": "dynamic_skinny_linear",
@@ -199,6 +200,7 @@ def op_cases():
         "nvfp4_mm": (lambda q, s: ops.nvfp4_mm(q, qw, s, sw, alpha, BF16, bias),
                      lambda: ops.nvfp4_quant(_x(5), gs, True)),
         "nvfp4_w4a16_mm": (lambda x: ops.nvfp4_w4a16_mm(x, qw, sw, alpha_w, BF16, bias), lambda: (_x(5),)),
+        "nvfp4_linear": (lambda x: ops.nvfp4_linear(x, qw, sw, gs, alpha, BF16, bias), lambda: (_x(1),)),
         # skinny
         "dsv3_fused_a_gemm": (lambda x: ops.dsv3_fused_a_gemm(x, wb), lambda: (_x(5),)),
         "dsv3_fused_a_gemm_pdl_strided": (lambda x: ops.dsv3_fused_a_gemm(x, wb, True),

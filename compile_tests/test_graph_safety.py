@@ -225,8 +225,10 @@ def test_cases_cover_every_op_and_inputs_have_the_right_shapes():
     cpu = torch.device("cpu")
     cases = child.cases(cpu)
     assert {op for op, _ in cases} == set(child.OPS)
-    # the CPU runs no other backend outside the interpreter (fp8_linear's composite: its two ops, on the reference)
-    assert all(b == "reference" or (op, b) == ("fp8_linear", "composite") for op, b in cases)
+    # the CPU runs no other backend outside the interpreter (the fused linear ops' composites: their two ops, on
+    # the reference)
+    assert all(b == "reference" or (op, b) in (("fp8_linear", "composite"), ("nvfp4_linear", "composite"))
+               for op, b in cases)
     assert len(child.matrix_cases(cpu)) == 4 * len(cases)
     w = _cpu_weights()
     n, k = child.shape(cpu)

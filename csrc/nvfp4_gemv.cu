@@ -2,6 +2,7 @@
 //
 //     W4A4:  out[m, n] = alpha * sum_k deq(a)[m, k] * deq(b)[n, k] (+ bias[n])    small M
 //     W4A16: out[m, n] = alpha * sum_k a[m, k] * deq(b)[n, k] (+ bias[n])         (G_ACT 1, 2)
+//     W4A4 from a 16-bit activation (G_QUANT 1): a = nvfp4_quant(x, *gs) inside the kernel
 //
 //     a: uint8 [M, K/2] packed e2m1 (low nibble first), rows a_stride bytes apart;
 //        W4A16: fp16 / bf16 [M, K], rows a_stride bytes apart (a multiple of 16)
@@ -24,6 +25,11 @@
 //   G_BIAS       0: none, 1: fp32, 2: bf16, 3: fp16 bias
 //   G_ACT        0: packed e2m1 activation with its block scales (W4A4),
 //                1: fp16 activation, 2: bf16 activation (W4A16; a_scales unused)
+//   G_QUANT      1 (with G_ACT 0): a is the bf16 (G_IN_F16 0) / fp16 activation
+//                x [m, K], a_scales points at its fp32 global scale gs, and
+//                every CTA quantizes its K range of x into shared memory
+//                (nvfp4_quant's codes and scales bit for bit, nvfp4_quant.cuh)
+//                before its MMA loop, while its first weight batch is in flight
 //
 // Design (the kernel streams the packed weight from HBM once):
 //  * Swap-AB mma.sync m16n8k16 f16 x f16 -> f32: A = 16 weight rows x 16 k,
@@ -58,7 +64,10 @@
 //    no atomics, no counters, bit-reproducible, CUDA-graph safe.
 //  * Programmatic dependent launch (a no-op without it): every thread waits
 //    for the previous grid (griddepcontrol.wait) before its first global
-//    read or write, then lets the next grid launch.
+//    read or write, then lets the next grid launch.  With G_QUANT the first
+//    weight batch is read before the wait: the weight is never written by a
+//    kernel, and its latency then overlaps the previous kernel's tail and the
+//    quantization.
 
 #ifndef G_N
 #error "G_N (output columns) must be defined"
@@ -90,8 +99,15 @@
 #ifndef G_ACT
 #define G_ACT 0
 #endif
+#ifndef G_QUANT
+#define G_QUANT 0
+#endif
+#ifndef G_IN_F16
+#define G_IN_F16 0
+#endif
 
 #include "nvfp4_decode.cuh"
+#include "nvfp4_quant.cuh"
 
 namespace gv {
 
@@ -119,6 +135,13 @@ constexpr int TILE = ROWS * MB;
 constexpr int ACT = G_ACT;
 constexpr int XV = ACT == 0 ? 1 : 4;           // 16-byte activation loads per thread and unit
 constexpr int X_UNIT_BYTES = ACT == 0 ? 64 : 256;  // bytes of an activation row per 128-k unit
+constexpr bool QUANT = G_QUANT != 0;
+// G_QUANT's shared memory, per activation row: the codes of the CTA's K range
+// (a pitch = 64 mod 128 bytes: a quarter warp's 16-byte loads of rows g and
+// g + 1 then fall in distinct banks), then its scale bytes.
+constexpr int QPITCH = UNITS_PER_SPLIT * 64 + (UNITS_PER_SPLIT % 2 == 0 ? 64 : 0);
+constexpr int SPITCH = UNITS_PER_SPLIT * 8;
+constexpr int QBLOCKS = UNITS_PER_SPLIT * 8;  // 16-k blocks of a row in the CTA's K range
 
 static_assert(K % 32 == 0 && K > 0, "K must be a positive multiple of 32");
 static_assert(N > 0, "N must be positive");
@@ -128,6 +151,7 @@ static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4 || SPLIT == 8, "G_SPLIT mus
 static_assert(WARPS >= 1 && WARPS <= 16, "G_WARPS must be 1..16");
 static_assert(U >= 1 && U <= 4, "G_UNROLL must be 1..4");
 static_assert(ACT >= 0 && ACT <= 2, "G_ACT must be 0 (e2m1), 1 (fp16) or 2 (bf16)");
+static_assert(G_QUANT == 0 || (G_QUANT == 1 && ACT == 0), "G_QUANT 1 quantizes to e2m1: it needs G_ACT 0");
 static_assert(WARPS * TILE * 4 <= 48 * 1024, "reduction buffer exceeds 48 KiB of static shared memory");
 
 __device__ __forceinline__ void mma_act(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -154,14 +178,20 @@ struct Operands {
   int t4;
 };
 
-__device__ __forceinline__ void load_batch(Batch& b, const Operands& op, int batch) {
-#pragma unroll
-  for (int i = 0; i < U; ++i) {
-    const int unit = op.u_begin + batch * U + i;
-    const bool ok = FULL_UNITS || (unit < op.u_end && unit * 4 + op.t4 < CHUNKS);
-    const long long wo = (long long)unit * 64;   // bytes of a weight row per unit
-    const long long xo = (long long)unit * X_UNIT_BYTES;
-    const long long so = (long long)unit * 1024;  // scale bytes per unit (two column groups)
+__device__ __forceinline__ bool unit_ok(const Operands& op, int unit) {
+  return FULL_UNITS || (unit < op.u_end && unit * 4 + op.t4 < CHUNKS);
+}
+
+// Unit i of a batch: its weight rows and scales (WEIGHTS), then (ACTS) its
+// activation: from global memory, or (G_QUANT) from the CTA's quantized
+// rows in shared memory (offsets within the CTA's K range).
+template <bool WEIGHTS, bool ACTS>
+__device__ __forceinline__ void load_unit(Batch& b, const Operands& op, int batch, int i) {
+  const int unit = op.u_begin + batch * U + i;
+  const bool ok = unit_ok(op, unit);
+  const long long so = (long long)unit * 1024;  // scale bytes per unit (two column groups)
+  if (WEIGHTS) {
+    const long long wo = (long long)unit * 64;  // bytes of a weight row per unit
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
 #pragma unroll
@@ -171,12 +201,68 @@ __device__ __forceinline__ void load_batch(Batch& b, const Operands& op, int bat
         b.ws[i][t][h] = rok ? load_scale2(op.ws_row[t][h] + so) : 0u;
       }
     }
+  }
+  if (!ACTS) return;
+  const long long xo = (long long)unit * X_UNIT_BYTES;
+  const int lu = unit - op.u_begin;
 #pragma unroll
-    for (int f = 0; f < MF; ++f) {
-      const bool rok = ok && op.x_ok[f];
+  for (int f = 0; f < MF; ++f) {
+    const bool rok = ok && op.x_ok[f];
+    if (QUANT) {
+      b.x[i][f][0] = rok ? *reinterpret_cast<const V4*>(op.x_row[f] + lu * 64) : zero4();
+      b.xs[i][f] = rok ? (u32) * reinterpret_cast<const u16*>(op.xs_row[f] + lu * 8) : 0u;
+    } else {
 #pragma unroll
       for (int v = 0; v < XV; ++v) b.x[i][f][v] = rok ? load_act(op.x_row[f] + xo + 16 * v) : zero4();
       if (ACT == 0) b.xs[i][f] = rok ? load_scale2(op.xs_row[f] + so) : 0u;
+    }
+  }
+}
+
+template <bool WEIGHTS = true, bool ACTS = true>
+__device__ __forceinline__ void load_batch(Batch& b, const Operands& op, int batch) {
+#pragma unroll
+  for (int i = 0; i < U; ++i) load_unit<WEIGHTS, ACTS>(b, op, batch, i);
+}
+
+// G_QUANT: the codes and scales of x's rows [0, m), 16-k blocks
+// [8 u_begin, 8 u_end) into xq (row r at r * QPITCH) and xs (r * SPITCH);
+// blocks past K are zero.  A thread takes QB blocks at a time, all their loads
+// issued before the first is quantized (one L2 latency per QB blocks).
+constexpr int QB = 2;
+
+__device__ __forceinline__ void quantize_rows(const unsigned char* __restrict__ x, long long x_stride, int m,
+                                              float gs, int u_begin, int u_end, unsigned char* xq,
+                                              unsigned char* xs) {
+  const float rgs = nvfp4_q::rcp_rn(gs);
+  const int kb_end = (u_end * 8 < K / 16 ? u_end * 8 : K / 16) - u_begin * 8;
+  const int total = m * QBLOCKS;
+  for (int base = threadIdx.x; base < total; base += QB * THREADS) {
+    V4 v[QB][2];
+#pragma unroll
+    for (int j = 0; j < QB; ++j) {
+      const int idx = base + j * THREADS;
+      const int r = idx / QBLOCKS, kb = idx - r * QBLOCKS;
+      const V4* p = reinterpret_cast<const V4*>(x + r * x_stride + (long long)(u_begin * 8 + kb) * 32);
+      const bool live = idx < total && kb < kb_end;
+      v[j][0] = live ? p[0] : zero4();
+      v[j][1] = live ? p[1] : zero4();
+    }
+#pragma unroll
+    for (int j = 0; j < QB; ++j) {
+      const int idx = base + j * THREADS;
+      if (idx < total) {
+        const int r = idx / QBLOCKS, kb = idx - r * QBLOCKS;
+        const u32 w[8] = {v[j][0].v[0], v[j][0].v[1], v[j][0].v[2], v[j][0].v[3],
+                          v[j][1].v[0], v[j][1].v[1], v[j][1].v[2], v[j][1].v[3]};
+        float f[16];
+        nvfp4_q::unpack_block16<G_IN_F16 != 0>(w, f);
+        u32 codes[2];
+        const u32 sbyte = nvfp4_q::quant_block16(f, gs, rgs, codes);  // zeros give code 0, scale 0
+        *reinterpret_cast<unsigned long long*>(xq + r * QPITCH + kb * 8) =
+            (unsigned long long)codes[0] | ((unsigned long long)codes[1] << 32);
+        xs[r * SPITCH + kb] = (unsigned char)sbyte;
+      }
     }
   }
 }
@@ -283,14 +369,24 @@ __device__ __forceinline__ void store_out(u16* out, const void* bias, float alph
 
 // grid (ceil(N / ROWS), SPLIT), block (32 * WARPS); clusters of (1, SPLIT, 1).
 // m <= MB; a_stride: bytes between rows of a (a multiple of 16, or anything
-// when m == 1).
-extern "C" __global__ void G_CLUSTER __launch_bounds__(gv::THREADS)
+// when m == 1).  G_QUANT: m * (QPITCH + SPITCH) bytes of dynamic shared memory.
+// G_QUANT: one CTA per SM is enough for the register budget (the prologue's
+// loads sit next to the first weight batch); without it ptxas caps 512-thread
+// CTAs at 64 registers and spills.
+#if G_QUANT
+#define G_BOUNDS __launch_bounds__(gv::THREADS, 1)
+#else
+#define G_BOUNDS __launch_bounds__(gv::THREADS)
+#endif
+
+extern "C" __global__ void G_CLUSTER G_BOUNDS
 nvfp4_gemv(const unsigned char* __restrict__ a, const unsigned char* __restrict__ b,
            const unsigned char* __restrict__ a_scales, const unsigned char* __restrict__ b_scales,
            const float* __restrict__ alpha_ptr, const void* __restrict__ bias, unsigned short* __restrict__ out,
            int m, long long a_stride) {
   using namespace gv;
   __shared__ float red[WARPS][TILE];  // red[warp][mm * ROWS + row]
+  extern __shared__ __align__(16) unsigned char dyn[];  // G_QUANT: m * (QPITCH + SPITCH) bytes
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -316,8 +412,13 @@ nvfp4_gemv(const unsigned char* __restrict__ a, const unsigned char* __restrict_
   for (int f = 0; f < MF; ++f) {
     const int row = f * 8 + g;
     op.x_ok[f] = row < m;
-    op.x_row[f] = a + (long long)row * a_stride + t4 * (X_UNIT_BYTES / 4);
-    op.xs_row[f] = ACT == 0 ? a_scales + scale_offset(row, t4) : a_scales;
+    if (QUANT) {
+      op.x_row[f] = dyn + row * QPITCH + t4 * 16;
+      op.xs_row[f] = dyn + m * QPITCH + row * SPITCH + t4 * 2;
+    } else {
+      op.x_row[f] = a + (long long)row * a_stride + t4 * (X_UNIT_BYTES / 4);
+      op.xs_row[f] = ACT == 0 ? a_scales + scale_offset(row, t4) : a_scales;
+    }
   }
 
   float acc[NT][MF][4];
@@ -328,14 +429,23 @@ nvfp4_gemv(const unsigned char* __restrict__ a, const unsigned char* __restrict_
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[t][f][e] = 0.f;
 
-  grid_dependency_wait();
-  launch_dependents();
-
   // Warps take batches of U units round-robin; two register batches in flight.
   const int nbatch = (op.u_end - op.u_begin + U - 1) / U;
   Batch b0, b1;
   int bi = warp;
-  if (bi < nbatch) load_batch(b0, op, bi);
+  if (QUANT) {
+    if (bi < nbatch) load_batch<true, false>(b0, op, bi);
+    grid_dependency_wait();
+    launch_dependents();
+    quantize_rows(a, a_stride, m, *reinterpret_cast<const float*>(a_scales), op.u_begin, op.u_end, dyn,
+                  dyn + m * QPITCH);
+    __syncthreads();
+    if (bi < nbatch) load_batch<false, true>(b0, op, bi);
+  } else {
+    grid_dependency_wait();
+    launch_dependents();
+    if (bi < nbatch) load_batch(b0, op, bi);
+  }
   while (bi < nbatch) {
     if (bi + WARPS < nbatch) load_batch(b1, op, bi + WARPS);
     mma_batch(acc, b0);

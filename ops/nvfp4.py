@@ -14,7 +14,8 @@ Conventions of this module:
 * ``global_scale`` (quantize multiplier) and ``alpha`` / ``weight_alpha``
   (decode multipliers) are float32 tensors with exactly one element: 0-D or
   any shape such as ``[1]``.  They stay on the device, so nothing syncs.
-* ``nvfp4_mm`` and ``nvfp4_w4a16_mm`` take block scales only in the swizzled
+* ``nvfp4_mm``, ``nvfp4_w4a16_mm`` and ``nvfp4_linear`` (``nvfp4_quant`` + ``nvfp4_mm``
+  in one op) take block scales only in the swizzled
   layout, with exactly the padded shape ``[round_up(R, 128), round_up(K/16, 4)]``
   that ``nvfp4_quant(..., swizzle=True)`` and :func:`swizzle_block_scales`
   return.
@@ -49,7 +50,7 @@ FP4_DTYPE = getattr(torch, "float4_e2m1fn_x2", None)
 __all__ = [
     "E2M1_VALUES", "e2m1_encode", "e2m1_decode", "pack_e2m1", "unpack_e2m1", "e4m3_saturating",
     "swizzle_block_scales", "unswizzle_block_scales", "swizzled_shape", "dequantize",
-    "reference_quant", "reference_mm", "reference_w4a16_mm", "torch_backend_args",
+    "reference_quant", "reference_mm", "reference_w4a16_mm", "reference_linear", "torch_backend_args",
 ]
 
 # ----------------------------------------------------------------------------
@@ -318,6 +319,20 @@ def check_w4a16_args(op: str, x, b, b_scales, weight_alpha, out_dtype, bias) -> 
     V.check_same_device(op, x=x, b=b, b_scales=b_scales, weight_alpha=weight_alpha, bias=bias)
 
 
+def check_linear_args(x, b, b_scales, global_scale, alpha, out_dtype, bias) -> None:
+    """Validate ``nvfp4_linear``-schema arguments."""
+    op = "nvfp4_linear"
+    V.check_dtype(op, "x", x, V.ACT_DTYPES)
+    V.check_rank(op, "x", x, 2)
+    V.check_inner_stride(op, "x", x)
+    k = x.shape[1]
+    _check_k(op, "x", k, "K = x.shape[1]")
+    _check_weight(op, b, b_scales, k)
+    V.check_scalar_like(op, "global_scale", global_scale)
+    _check_epilogue(op, "alpha", alpha, out_dtype, bias, b.shape[0])
+    V.check_same_device(op, x=x, b=b, b_scales=b_scales, global_scale=global_scale, alpha=alpha, bias=bias)
+
+
 def mm_output(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The ``[M, N]`` output of both NVFP4 GEMMs."""
     return torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
@@ -338,6 +353,13 @@ def w4a16_problem(x: torch.Tensor, b: torch.Tensor, out_dtype, bias) -> Problem:
     return Problem(FAMILY, x.device, x.shape[0], b.shape[0], x.shape[1], x.dtype, out_dtype,
                    x.stride(0),
                    (("bias", bias is not None), ("w4a16", True), ("aligned16", V.aligned16(x, b))))
+
+
+def linear_problem(x: torch.Tensor, b: torch.Tensor, out_dtype, bias) -> Problem:
+    """The ``nvfp4_linear`` Problem: W4A4 (``w4a16`` False) with the
+    activation's own dtype and row stride (not yet packed)."""
+    return Problem(FAMILY, x.device, x.shape[0], b.shape[0], x.shape[1], x.dtype, out_dtype, x.stride(0),
+                   (("bias", bias is not None), ("w4a16", False), ("aligned16", V.aligned16(x, b))))
 
 
 # ----------------------------------------------------------------------------
@@ -433,6 +455,40 @@ def reference_w4a16_mm(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, b
     """``x @ (weight_alpha * deq(b)).T (+ bias)`` in float32."""
     acc = x.float() @ dequantize(b, b_scales).t()
     return _epilogue(acc, weight_alpha, out_dtype, bias)
+
+
+def reference_linear(x, b, b_scales, global_scale, alpha, out_dtype=torch.bfloat16, bias=None):
+    """``nvfp4_linear`` by definition: :func:`reference_quant` of ``x`` with
+    ``global_scale``, then :func:`reference_mm` with ``alpha``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops.nvfp4 import reference_linear, reference_quant
+    >>> gs = torch.tensor(448 * 6.0)  # amax 1: every 1.0 is exact
+    >>> qb, sb = reference_quant(torch.ones(8, 32), gs)
+    >>> reference_linear(torch.ones(2, 32), qb, sb, gs, 1 / (gs * gs))[0, :2].tolist()
+    [32.0, 32.0]
+    """
+    q, s = reference_quant(x, global_scale, True)
+    return reference_mm(q, b, s, b_scales, alpha, out_dtype, bias)
+
+
+def composite_linear(x, b, b_scales, global_scale, alpha, out_dtype=torch.bfloat16, bias=None):
+    """``nvfp4_linear`` as its two ops, ``nvfp4_quant`` and ``nvfp4_mm``,
+    each selected as if called alone.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops.nvfp4 import composite_linear, reference_quant
+    >>> one = torch.tensor(1.0)
+    >>> qb, sb = reference_quant(torch.ones(8, 32), one)
+    >>> composite_linear(torch.ones(2, 32), qb, sb, one, one).shape
+    torch.Size([2, 8])
+    """
+    q, s = torch.ops.scaledmm.nvfp4_quant(x, global_scale, True)
+    return torch.ops.scaledmm.nvfp4_mm(q, b, s, b_scales, alpha, out_dtype, bias)
 
 
 # ----------------------------------------------------------------------------
@@ -585,6 +641,12 @@ def _w4a16_impl(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=Non
                x, b, b_scales, weight_alpha, out_dtype, bias)
 
 
+def _linear_impl(x, b, b_scales, global_scale, alpha, out_dtype=torch.bfloat16, bias=None):
+    check_linear_args(x, b, b_scales, global_scale, alpha, out_dtype, bias)
+    return run(linear_problem(x, b, out_dtype, bias), "nvfp4_linear",
+               x, b, b_scales, global_scale, alpha, out_dtype, bias)
+
+
 def _swizzle_impl(s):
     return swizzle_block_scales(s)
 
@@ -610,6 +672,12 @@ nvfp4_w4a16_mm = define(
     "Tensor? bias=None) -> Tensor",
     _w4a16_impl,
 )
+nvfp4_linear = define(
+    "nvfp4_linear",
+    "(Tensor x, Tensor b, Tensor b_scales, Tensor global_scale, Tensor alpha, ScalarType out_dtype=15, "
+    "Tensor? bias=None) -> Tensor",
+    _linear_impl,
+)
 # Layout ops: plain torch on any device, no backend registry.  rows/cols are
 # SymInts so a dynamic M stays symbolic under torch.compile.
 swizzle_block_scales_op = define("swizzle_block_scales", "(Tensor s) -> Tensor", _swizzle_impl)
@@ -631,8 +699,14 @@ backends.register(Backend(
         "nvfp4_quant": reference_quant,
         "nvfp4_mm": _reference_mm_backend,
         "nvfp4_w4a16_mm": _reference_w4a16_backend,
+        "nvfp4_linear": reference_linear,
     },
     description="plain torch math (decode to float32, float32 matmul); any device",
+))
+backends.register(Backend(
+    FAMILY, "composite",
+    impls={"nvfp4_linear": composite_linear},
+    description="nvfp4_linear as nvfp4_quant + nvfp4_mm, each selected as if called alone",
 ))
 backends.register(Backend(
     FAMILY, "torch",

@@ -30,6 +30,12 @@ output, M within the limits above, 16-byte aligned operands); the policy's switc
 ``SCALEDMM_NVFP4_GEMV=0`` takes it out of automatic selection
 (``use_backend("nvfp4", "cuda_gemv")`` still reaches it).
 
+``gemv_linear`` runs ``nvfp4_linear`` (bf16 / fp16 activation in) in one
+launch: every CTA quantizes its K range of the activation into shared memory
+(``csrc/nvfp4_quant.cuh``: ``nvfp4_quant``'s codes and scales bit for bit)
+while its first weight batch is in flight.  It is not a registered backend:
+that per-CTA work cost more than the quantize launch it saves (NOTES.md).
+
 Read top to bottom: capability checks, the config space (frozen dataclass,
 one validity predicate :func:`config_valid`, :func:`choose_config`), the
 launcher, backend registration.
@@ -66,12 +72,16 @@ ARCH = "sm_90a"
 K_MULTIPLE = 32  # one 16-byte load = 32 codes of a row
 M_BUCKETS = (8, 16, 32)
 MAX_M = {False: 32, True: 16}  # W4A4, W4A16: the measured break-even with the next backend (module docstring)
+# gemv_linear (not registered, see its docstring): every CTA quantizes all M
+# rows of its K range, so the redundant work grows with M.
+MAX_M_LINEAR = 8
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 BIAS_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 ACT_CODES = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2}  # packed e2m1 (W4A4), W4A16 dtypes
 REGS_PER_SM = 65536
 MAX_REGS = 255
 SMEM_STATIC = 48 * 1024
+SMEM_DYNAMIC_MAX = 227 * 1024 - SMEM_STATIC  # sm90's opt-in limit per CTA, less the static reduction buffer
 
 # ----------------------------------------------------------------------------
 # Capability checks
@@ -102,14 +112,25 @@ def can_implement(p: Problem) -> tuple[bool, str]:
     return check_problem(p, MAX_M[bool(p.opt("w4a16"))])
 
 
-def check_problem(p: Problem, max_m: int) -> tuple[bool, str]:
+def can_implement_linear(p: Problem) -> tuple[bool, str]:
+    """What :func:`gemv_linear` needs of an ``nvfp4_linear`` problem: an fp16 /
+    bf16 activation, M <= ``MAX_M_LINEAR``, and as :func:`can_implement`;
+    the quantized rows must fit the shared memory."""
+    if p.in_dtype not in (torch.float16, torch.bfloat16):
+        return False, f"nvfp4_linear: quantizes an fp16 or bf16 activation, got {p.in_dtype}"
+    return check_problem(p, MAX_M_LINEAR, linear=True)
+
+
+def check_problem(p: Problem, max_m: int, linear: bool = False) -> tuple[bool, str]:
     """What the NVFP4 CUDA kernels (this one and ``nvfp4_mid``) need of a
-    call, with M <= ``max_m``."""
-    w4a16 = bool(p.opt("w4a16"))
+    call, with M <= ``max_m``; ``linear``: a 16-bit activation quantized
+    in the kernel."""
+    w4a16 = bool(p.opt("w4a16")) or linear  # a 16-bit activation either way
     if w4a16 and p.in_dtype not in (torch.float16, torch.bfloat16):
         return False, f"W4A16 needs an fp16 or bf16 activation, got {p.in_dtype}"
     if p.m > max_m:
-        return False, f"needs M <= {max_m}{' (W4A16)' if w4a16 else ''}, got M={p.m}"
+        what = " (nvfp4_linear)" if linear else " (W4A16)" if w4a16 else ""
+        return False, f"needs M <= {max_m}{what}, got M={p.m}"
     if p.k % K_MULTIPLE != 0 or p.k <= 0:
         return False, f"needs K a positive multiple of {K_MULTIPLE}, got K={p.k}"
     if p.out_dtype not in OUT_DTYPES:
@@ -121,6 +142,8 @@ def check_problem(p: Problem, max_m: int) -> tuple[bool, str]:
                        f"got {p.a_row_stride * size:g} bytes")
     if not p.opt("aligned16", True):
         return False, "needs 16-byte aligned activation and weight data pointers (vector loads)"
+    if linear and quant_smem(p.k, m_bucket(p.m), 1) > SMEM_DYNAMIC_MAX:
+        return False, f"the quantized rows of K = {p.k} exceed {SMEM_DYNAMIC_MAX} bytes of shared memory"
     return True, f"M <= {max_m}, K % 32 == 0"
 
 
@@ -150,16 +173,18 @@ class GemvConfig:
     split_k: int = 1
     unroll: int = 2
 
-    def registers(self, m_bucket: int, w4a16: bool = False) -> int:
+    def registers(self, m_bucket: int, w4a16: bool = False, quant: bool = False) -> int:
         """Estimated registers per thread (two batches of 16-byte loads and
         scales, accumulators, the decoded activation: a whole unit up to 16
         rows, one word per fragment beyond, next to the decoded weight words),
         an upper bound of ptxas' count (checked by the tests).  W4A16 holds
-        four 16-byte activation loads per unit instead of one and its scale."""
+        four 16-byte activation loads per unit instead of one and its scale;
+        ``quant`` (``gemv_linear``) adds the prologue's two blocks in flight."""
         nt, mf = self.rows // 16, m_bucket // 8
         x_regs = 16 if w4a16 else 5
         decoded = mf * 16 if mf <= 2 else nt * 8 + 4 + 2 * mf
-        return 2 * self.unroll * (2 * nt * 5 + mf * x_regs) + nt * mf * 4 + decoded + (56 if w4a16 else 48)
+        extra = 56 if w4a16 else 64 if quant else 48
+        return 2 * self.unroll * (2 * nt * 5 + mf * x_regs) + nt * mf * 4 + decoded + extra
 
     def threads(self) -> int:
         return 32 * self.warps
@@ -168,19 +193,42 @@ class GemvConfig:
         return (-(-n // self.rows), self.split_k)
 
     def defines(self, n: int, k: int, m_bucket: int, out_dtype: torch.dtype,
-                bias_dtype: torch.dtype | None, act_dtype: torch.dtype = torch.uint8) -> dict[str, int]:
-        return {"G_N": n, "G_K": k, "G_ROWS": self.rows, "G_WARPS": self.warps, "G_SPLIT": self.split_k,
-                "G_UNROLL": self.unroll, "G_MB": m_bucket, "G_OUT_F16": int(out_dtype == torch.float16),
-                "G_BIAS": BIAS_CODES[bias_dtype], "G_ACT": ACT_CODES[act_dtype]}
+                bias_dtype: torch.dtype | None, act_dtype: torch.dtype = torch.uint8,
+                quant: bool = False) -> dict[str, int]:
+        """The kernel's macros; ``quant``: ``act_dtype`` (fp16 / bf16) is
+        quantized to e2m1 in the kernel (W4A4)."""
+        d = {"G_N": n, "G_K": k, "G_ROWS": self.rows, "G_WARPS": self.warps, "G_SPLIT": self.split_k,
+             "G_UNROLL": self.unroll, "G_MB": m_bucket, "G_OUT_F16": int(out_dtype == torch.float16),
+             "G_BIAS": BIAS_CODES[bias_dtype], "G_ACT": 0 if quant else ACT_CODES[act_dtype]}
+        if quant:
+            d.update(G_QUANT=1, G_IN_F16=int(act_dtype == torch.float16))
+        return d
 
     def short(self) -> str:
         return f"r{self.rows}w{self.warps}s{self.split_k}u{self.unroll}"
 
 
-def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int, w4a16: bool = False) -> tuple[bool, str]:
+def quant_smem(k: int, m: int, split_k: int) -> int:
+    """Dynamic shared memory of an ``nvfp4_linear`` launch with ``m`` rows:
+    the codes and scales of each row's K range (the kernel's QPITCH + SPITCH)."""
+    units = -(-(-(-k // 128)) // split_k)
+    return m * (units * 64 + (64 if units % 2 == 0 else 0) + units * 8)
+
+
+def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int, w4a16: bool = False,
+                 quant: bool = False) -> tuple[bool, str]:
     """THE validity predicate of a config for a shape (dispatch, benchmark and
-    tests), W4A4 or (``w4a16``) W4A16.  Mirrors the kernel's static_asserts
-    and the resource limits."""
+    tests), W4A4 or (``w4a16``) W4A16; ``quant``: ``nvfp4_linear`` (W4A4 that
+    quantizes the activation in the kernel).  Mirrors the kernel's
+    static_asserts and the resource limits."""
+    if quant:
+        if w4a16:
+            return False, "quant quantizes to e2m1 (W4A4): it excludes w4a16"
+        if m_bucket > MAX_M_LINEAR:
+            return False, f"m_bucket {m_bucket} is over the nvfp4_linear limit {MAX_M_LINEAR}"
+        if quant_smem(k, m_bucket, cfg.split_k) > SMEM_DYNAMIC_MAX:
+            return False, (f"{m_bucket} quantized rows of K / split_k = {k} / {cfg.split_k} exceed "
+                           f"{SMEM_DYNAMIC_MAX} bytes of shared memory")
     if not isinstance(cfg, GemvConfig):
         return False, f"expected a GemvConfig, got {type(cfg).__name__}"
     if m_bucket not in M_BUCKETS:
@@ -198,8 +246,9 @@ def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int, w4a16: bool = F
     if not 1 <= cfg.unroll <= 4:
         return False, f"unroll must be 1..4, got {cfg.unroll}"
     limit = min(MAX_REGS, REGS_PER_SM // cfg.threads())
-    if cfg.registers(m_bucket, w4a16) > limit:
-        return False, f"about {cfg.registers(m_bucket, w4a16)} registers per thread, over the limit {limit}"
+    regs = cfg.registers(m_bucket, w4a16, quant)
+    if regs > limit:
+        return False, f"about {regs} registers per thread, over the limit {limit}"
     if cfg.warps * cfg.rows * m_bucket * 4 > SMEM_STATIC:
         return False, "reduction buffer over 48 KiB of shared memory"
     units = -(-k // 128)
@@ -302,6 +351,25 @@ def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4
     return cfg
 
 
+@functools.lru_cache(maxsize=None)
+def choose_linear_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
+    """``nvfp4_linear``'s config: the W4A4 GEMM's (the same weight stream),
+    with K split further until the quantized rows fit the shared memory."""
+    cfg = choose_config(n, k, m_bucket, num_sms)
+    while not config_valid(cfg, n, k, m_bucket, quant=True)[0] and cfg.split_k < 8:
+        cfg = dataclasses.replace(cfg, split_k=2 * cfg.split_k)
+    return cfg
+
+
+def candidate_linear_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> list[GemvConfig]:
+    """The sweep of ``nvfp4_linear``: :func:`choose_linear_config` first, then
+    the W4A4 candidates that are valid with the quantizing prologue."""
+    first = choose_linear_config(n, k, m_bucket, num_sms)
+    rest = [c for c in candidate_configs(n, k, m_bucket, num_sms)
+            if c != first and config_valid(c, n, k, m_bucket, quant=True)[0]]
+    return [first, *rest]
+
+
 def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200,
                       w4a16: bool = False) -> list[GemvConfig]:
     """The benchmark's sweep: the chosen config first, then tile x split x
@@ -333,15 +401,20 @@ def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200
 
 @functools.lru_cache(maxsize=None)
 def kernel_spec(n: int, k: int, m_bucket: int, cfg: GemvConfig, out_dtype: torch.dtype = torch.bfloat16,
-                bias_dtype: torch.dtype | None = None, act_dtype: torch.dtype = torch.uint8) -> jit.NvrtcKernelSpec:
+                bias_dtype: torch.dtype | None = None, act_dtype: torch.dtype = torch.uint8,
+                quant: bool = False) -> jit.NvrtcKernelSpec:
     """The NVRTC spec of one instantiation (validated); ``act_dtype`` uint8
-    (packed e2m1: W4A4) or fp16 / bf16 (W4A16)."""
+    (packed e2m1: W4A4) or fp16 / bf16 (W4A16, or with ``quant`` the
+    activation ``nvfp4_linear`` quantizes in the kernel)."""
     check_spec_dtypes(act_dtype, out_dtype, bias_dtype)
-    ok, why = config_valid(cfg, n, k, m_bucket, act_dtype != torch.uint8)
+    if quant and act_dtype == torch.uint8:
+        raise ValueError("act_dtype: expected fp16 or bf16 with quant (the activation the kernel quantizes), "
+                         "got uint8")
+    ok, why = config_valid(cfg, n, k, m_bucket, act_dtype != torch.uint8 and not quant, quant)
     if not ok:
         raise ValueError(f"cfg: expected a valid config for N={n}, K={k}, M bucket {m_bucket}, got {cfg}: {why}")
     return jit.NvrtcKernelSpec(KERNEL, source_path(), arch=ARCH,
-                               defines=cfg.defines(n, k, m_bucket, out_dtype, bias_dtype, act_dtype))
+                               defines=cfg.defines(n, k, m_bucket, out_dtype, bias_dtype, act_dtype, quant))
 
 
 def check_spec_dtypes(act_dtype: torch.dtype, out_dtype: torch.dtype, bias_dtype: torch.dtype | None) -> None:
@@ -382,6 +455,30 @@ def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: GemvCo
                          (a, b, a_scales, b_scales, alpha, bias, out, ctypes.c_int(m),
                           ctypes.c_longlong(a.stride(0) * a.element_size())),
                          device=a.device, pdl=use_pdl)
+    return out
+
+
+def launch_linear(x, b, global_scale, b_scales, alpha, bias, out: torch.Tensor,
+                  cfg: GemvConfig | None = None) -> torch.Tensor:
+    """Run the quantizing instantiation (``nvfp4_linear``) into ``out`` on the
+    current stream: ``x`` fp16 / bf16 ``[M, K]``, 1 <= M <= ``MAX_M_LINEAR``,
+    validated and :func:`aligned` as for :func:`launch`; ``global_scale``
+    one fp32 element (read by the kernel)."""
+    m = x.shape[0]
+    n, k = b.shape[0], 2 * b.shape[1]
+    mb = m_bucket(m)
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    cfg = cfg or choose_linear_config(n, k, mb, sm_count(dev))
+    spec = kernel_spec(n, k, mb, cfg, out.dtype, None if bias is None else bias.dtype, x.dtype, True)
+    kern = spec.kernel()
+    smem = quant_smem(k, m, cfg.split_k)
+    if kern.max_active_blocks(cfg.threads(), smem, dev) < 1:  # raises the shared-memory limit first
+        raise RuntimeError(f"nvfp4_gemv {cfg.short()}: expected a CTA of {cfg.threads()} threads and {smem} "
+                           f"bytes of dynamic shared memory to fit an SM, the driver says none does")
+    kern.launch(cfg.grid(n), cfg.threads(),
+                (x, b, global_scale, b_scales, alpha, bias, out, ctypes.c_int(m),
+                 ctypes.c_longlong(x.stride(0) * x.element_size())),
+                device=x.device, shared_mem=smem, pdl=pdl(x.device))
     return out
 
 
@@ -430,6 +527,44 @@ def gemv_w4a16(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None
     ...     out = torch.ops.scaledmm.nvfp4_w4a16_mm(x, qb, sb, one)
     """
     return run_w4a16(launch, x, b, b_scales, weight_alpha, out_dtype, bias, cfg)
+
+
+def gemv_linear(x, b, b_scales, global_scale, alpha, out_dtype=torch.bfloat16, bias=None,
+                cfg: GemvConfig | None = None):
+    """``nvfp4_linear`` in one launch: a fresh ``[M, N]``
+    ``nvfp4_mm(*nvfp4_quant(x, global_scale), b, ..., b_scales, alpha)``
+    (+ bias), bit for bit the two ops with this backend's GEMM, M <= 8.
+
+    Not registered as a backend of the op: every CTA quantizes the whole K
+    range of the activation for itself, and on the H100 that redundant work
+    cost more than the separate quantize launch it saves (Llama-3-8B layer at
+    M = 1: 85.3 us against 79.4 with the composite; benchmarks/NOTES.md).
+    Kept, tested and sanitizer-checked as the base of a variant that shares
+    the quantized rows across a thread-block cluster.  Raises ``ValueError``
+    for a call it cannot run (:func:`can_implement_linear`).
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)     # doctest: +SKIP
+    >>> w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> one = torch.tensor(1.0, device="cuda")                            # doctest: +SKIP
+    >>> qb, sb = torch.ops.scaledmm.nvfp4_quant(w, one)                   # doctest: +SKIP
+    >>> with scaledmm.use_backend("nvfp4", "cuda_gemv"):                  # doctest: +SKIP
+    ...     out = torch.ops.scaledmm.nvfp4_linear(x, qb, sb, one, one)
+    """
+    nv.check_linear_args(x, b, b_scales, global_scale, alpha, out_dtype, bias)
+    ok, why = is_supported(x.device)
+    if ok:
+        ok, why = can_implement_linear(nv.linear_problem(x, b, out_dtype, bias))
+    if not ok:
+        raise ValueError(f"gemv_linear: expected a call the kernel can run, got one it cannot: {why}")
+    out = nv.mm_output(x, b, out_dtype)
+    if x.shape[0] == 0 or b.shape[0] == 0:
+        return out
+    require_aligned(x, b)
+    gs = global_scale.reshape(1)  # one element, read in place (a view: no copy, graph safe)
+    return launch_linear(x, b, gs, b_scales, alpha, bias, out, cfg)
 
 
 def run_mm(launch_fn, a, b, a_scales, b_scales, alpha, out_dtype, bias, cfg):

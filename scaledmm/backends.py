@@ -366,7 +366,7 @@ def priority(family: Family | str, device: torch.device | str) -> list[str]:
     --------
     >>> import scaledmm
     >>> scaledmm.backends.priority("nvfp4", "cpu")
-    ['reference']
+    ['composite', 'reference']
     """
     pol = policy(family, device)
     return [b for b in pol.order if pol.enabled(b)]
@@ -594,7 +594,7 @@ def family_ops(family: Family | str) -> list[str]:
     --------
     >>> import scaledmm
     >>> scaledmm.backends.family_ops("fp8")
-    ['fp8_scaled_mm', 'quant_fp8']
+    ['fp8_linear', 'fp8_scaled_mm', 'quant_fp8']
     """
     fam = Family.parse(family)
     return sorted({op for b in _REGISTRY[fam].values() for op in b.impls})

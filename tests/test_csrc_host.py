@@ -247,3 +247,73 @@ def test_host_scale_pair_bf16_rounds_like_torch(dec):
         want = (src * 2.0 ** 119).bfloat16().double().numpy()
     for g in halves(got, "bf16"):
         assert same(g, want)
+
+
+# ----------------------------------------------------------------------------
+# The in-kernel activation quantizer (nvfp4_quant.cuh) against reference_quant
+# ----------------------------------------------------------------------------
+
+
+def _random_blocks(rng, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, 16] values spread over many binades per block, with zeros,
+    negative zeros, repeated values, values at e2m1 midpoints of their block
+    scale, and whole-zero blocks."""
+    mag = torch.from_numpy(np.exp2(rng.uniform(-20, 12, (rows, 16))) * rng.choice([-1.0, 1.0], (rows, 16)))
+    spread = torch.from_numpy(np.exp2(rng.integers(-6, 7, (rows, 1)).astype(np.float64)))
+    grid = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0],
+                        dtype=torch.float64)
+    ties = grid[torch.from_numpy(rng.integers(0, len(grid), (rows, 16)))] * spread
+    x = torch.where(torch.from_numpy(rng.random((rows, 1)) < 0.3), ties, mag)
+    x[torch.from_numpy(rng.random((rows, 16)) < 0.05)] = 0.0
+    x[torch.from_numpy(rng.random((rows, 16)) < 0.02)] = -0.0
+    x[: rows // 50] = 0.0
+    return x.to(dtype)
+
+
+def _pairs(x: torch.Tensor) -> np.ndarray:
+    """[rows, 16] fp16 / bf16 -> [rows, 8] uint32 words of (even, odd) pairs."""
+    return x.contiguous().view(torch.int16).numpy().view(np.uint16).astype(np.uint32).reshape(-1, 8, 2) @ \
+        np.array([1, 1 << 16], dtype=np.uint32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quant_block16_is_reference_quant(dec, dtype):
+    """Codes and scale byte of every block equal ``reference_quant``'s (SPEC's
+    recipe with IEEE reciprocals), for global scales from 2688 / amax and
+    extreme ones (scales saturating at 448, scales flushing to 0)."""
+    from scaledmm.ops.nvfp4 import reference_quant
+
+    rng = np.random.default_rng()
+    op = "quant_block16_f16" if dtype == torch.float16 else "quant_block16_bf16"
+    for trial in range(6):
+        x = _random_blocks(rng, 4000, dtype)
+        if dtype == torch.float16:
+            x = x.float().clamp(-60000, 60000).half()
+        amax = x.float().abs().max().item()
+        gs = [448 * 6 / max(amax, 1e-30), float(np.exp2(rng.uniform(-30, 30))), 1.0, 3.0e-5, 1.7e8, 2688.0][trial]
+        gs32 = torch.tensor(gs, dtype=torch.float32)
+        q, s = reference_quant(x, gs32, swizzle=False)
+        words = _pairs(x)
+        got = dec(op, np.concatenate([words, np.full((len(words), 1), gs32.view(torch.int32).item() & 0xFFFFFFFF)], 1))
+        want_codes = q.view(torch.int32).numpy().view(np.uint32).reshape(-1, 2)
+        want_scale = s.view(torch.uint8).numpy().astype(np.uint32).reshape(-1)
+        bad = np.nonzero((got[:, :2] != want_codes).any(1) | (got[:, 2] != want_scale))[0]
+        assert bad.size == 0, (trial, gs, x[bad[:3]].tolist(), got[bad[:3]].tolist(),
+                               want_codes[bad[:3]].tolist(), want_scale[bad[:3]].tolist())
+
+
+def test_e4m3_byte_rounds_and_saturates_like_the_reference(dec):
+    """Non-negative fp32 values (ties, subnormals, the saturation edge at 448,
+    above it and inf) -> the byte of ``e4m3_saturating``; NaN -> 0x7F."""
+    from scaledmm.ops.nvfp4 import e4m3_saturating
+
+    rng = np.random.default_rng()
+    e4 = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    mids = ((e4[1:] + e4[:-1]) / 2).float()
+    v = torch.cat([torch.from_numpy(np.exp2(rng.uniform(-12, 10, 200000))).float(), mids,
+                   torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e9)),
+                   torch.tensor([0.0, 448.0, 463.9, 464.0, 465.0, 1e30, float("inf"), 2.0 ** -10, 2.0 ** -9])])
+    got = dec("e4m3_byte", v.view(torch.int32).numpy().view(np.uint32))[:, 0]
+    want = e4m3_saturating(v).view(torch.uint8).numpy()
+    assert (got == want).all(), v[torch.from_numpy(got != want)][:5]
+    assert dec("e4m3_byte", np.array([0x7FC00000]))[0, 0] == 0x7F

@@ -192,7 +192,7 @@ def test_forward_reads_weights_in_place(use_w4a16):
     owned = {layer.weight.data_ptr(), layer.weight_scale.data_ptr()}
     with _Recorder() as rec:
         layer(torch.randn(3, 80, dtype=torch.bfloat16))
-    gemm = "nvfp4_w4a16_mm" if use_w4a16 else "nvfp4_mm"
+    gemm = "nvfp4_w4a16_mm" if use_w4a16 else "nvfp4_linear"
     touching = [str(f) for f, args in rec.calls
                 if any(isinstance(a, torch.Tensor) and a.data_ptr() in owned for a in args)]
     assert touching == [f"scaledmm.{gemm}.default"], touching

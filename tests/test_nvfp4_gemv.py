@@ -463,3 +463,83 @@ def test_gpu_w4a16_strided_misaligned_auto_and_graph():
 def test_kernel_spec_rejects_activation_dtype():
     with pytest.raises(ValueError, match="act_dtype:"):
         gv.kernel_spec(64, 128, 8, gv.GemvConfig(16, 1, 1, 1), torch.bfloat16, None, torch.float32)
+
+
+# ----------------------------------------------------------------------------
+# nvfp4_linear: the instantiation that quantizes the activation (G_QUANT)
+# ----------------------------------------------------------------------------
+
+
+def _linear_problem(m: int, k: int = 4096, dtype=torch.bfloat16, n: int = 4096):
+    """The ``nvfp4_linear`` problem ``nv.linear_problem`` builds, on ``cuda:0``
+    (no GPU needed)."""
+    x = torch.zeros(m, k, dtype=dtype, device="meta")
+    b = torch.zeros(n, k // 2, dtype=torch.uint8, device="meta")
+    p = nv.linear_problem(x, b, torch.bfloat16, None)
+    return dataclasses.replace(p, device=torch.device("cuda", 0),
+                               options=tuple((key, True if key == "aligned16" else v) for key, v in p.options))
+
+
+@nvrtc
+@pytest.mark.parametrize("n,k,mb,in_dtype,out_dtype,bias_dtype", [
+    (4096, 4096, 8, torch.bfloat16, torch.bfloat16, None),
+    (28672, 4096, 8, torch.bfloat16, torch.bfloat16, None),
+    (4096, 14336, 8, torch.float16, torch.float16, torch.float32),
+    (200, 736, 8, torch.bfloat16, torch.bfloat16, torch.bfloat16),
+])
+def test_linear_instance_compiles_without_spills(n, k, mb, in_dtype, out_dtype, bias_dtype):
+    cfg = gv.choose_linear_config(n, k, mb)
+    assert gv.config_valid(cfg, n, k, mb, quant=True) == (True, "ok")
+    spec = gv.kernel_spec(n, k, mb, cfg, out_dtype, bias_dtype, in_dtype, True)
+    defines = {key: int(v) for key, v in dict(spec.defines).items()}
+    assert defines["G_QUANT"] == 1 and defines["G_ACT"] == 0 and defines["G_IN_F16"] == int(in_dtype == torch.float16)
+    regs = nvrtc_registers(spec)
+    assert regs <= cfg.registers(mb, quant=True), f"estimate {cfg.registers(mb, quant=True)} below the real {regs}"
+
+
+def test_linear_config_predicate_and_spec_refuse():
+    cfg = gv.GemvConfig(16, 8, 1, 2)
+    assert gv.config_valid(cfg, 4096, 4096, 8, quant=True) == (True, "ok")
+    assert "nvfp4_linear limit" in gv.config_valid(cfg, 4096, 4096, 16, quant=True)[1]
+    assert "excludes w4a16" in gv.config_valid(cfg, 4096, 4096, 8, True, True)[1]
+    assert "shared memory" in gv.config_valid(cfg, 4096, 65536, 8, quant=True)[1]
+    assert gv.config_valid(dataclasses.replace(cfg, split_k=2), 4096, 65536, 8, quant=True)[0]
+    # split K until the quantized rows fit
+    assert gv.choose_linear_config(4096, 65536, 8).split_k >= 2
+    with pytest.raises(ValueError, match="act_dtype"):
+        gv.kernel_spec(4096, 4096, 8, cfg, torch.bfloat16, None, torch.uint8, True)
+    # 8 rows of 4096: codes (32 units of 64 bytes + 64 of pitch) and scales (8 per unit)
+    assert gv.quant_smem(4096, 8, 1) == 8 * (32 * 64 + 64 + 32 * 8)
+    assert gv.quant_smem(4096, 1, 4) == 8 * 64 + 64 + 8 * 8
+    assert gv.quant_smem(736, 1, 1) == 6 * 64 + 64 + 6 * 8  # a partial unit counts whole
+
+
+@pytest.mark.parametrize("p,why", [
+    (_linear_problem(9), "M <= 8 (nvfp4_linear)"),
+    (_linear_problem(4, dtype=torch.float32), "fp16 or bf16 activation"),
+    (_linear_problem(4, k=65536), "shared memory"),
+    (_linear_problem(4, k=48), "multiple of 32"),
+])
+def test_linear_can_implement_says_why(p, why):
+    ok, reason = gv.can_implement_linear(p)
+    assert not ok and why in reason, reason
+
+
+def test_linear_is_not_a_registered_backend(fake_sm90):
+    """The one-launch kernel lost to the composite (benchmarks/NOTES.md): the
+    op runs as its two ops, and forcing cuda_gemv still reaches its GEMM."""
+    assert gv.can_implement_linear(_linear_problem(8))[0]
+    assert gv.can_implement_linear(_linear_problem(1, dtype=torch.float16))[0]
+    assert "nvfp4_linear" not in backends.get("nvfp4", gv.NAME).impls
+    assert backends.select(_linear_problem(1), "nvfp4_linear").name == "composite"
+
+
+def test_gemv_linear_refuses_what_it_cannot_run():
+    x = torch.zeros(9, 64, dtype=torch.bfloat16)
+    b = torch.zeros(32, 32, dtype=torch.uint8)
+    s = torch.zeros(128, 4, dtype=torch.float8_e4m3fn)
+    one = torch.ones(())
+    with pytest.raises(ValueError, match="CUDA device"):  # on a GPU: "M <= 8" (test_nvfp4_linear.py)
+        gv.gemv_linear(x, b, s, one, one)
+    with pytest.raises(ValueError, match="b_scales"):
+        gv.gemv_linear(x[:2], b, s[:, :2], one, one)

@@ -76,8 +76,8 @@ def test_shipped_files_validate_and_name_registered_backends():
     for fam in Family:
         archs = loaded[fam.value]
         assert {"cpu", "cuda"} <= set(archs), fam
-        # off a GPU: the reference, and fp8_linear as its two ops (composite)
-        assert archs["cpu"].order == (("composite", "reference") if fam == "fp8" else ("reference",)), fam
+        # off a GPU: the reference, and fp8_linear / nvfp4_linear as their two ops (composite)
+        assert archs["cpu"].order == (("composite", "reference") if fam in ("fp8", "nvfp4") else ("reference",)), fam
         registered = set(backends.names(fam))
         for arch, pol in archs.items():
             assert pol.order[-1] == "reference", (fam, arch)

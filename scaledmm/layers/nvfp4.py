@@ -1,6 +1,6 @@
 """``NvFp4Linear``: NVFP4 linear layer (ModelOpt checkpoint convention) on
-``torch.ops.scaledmm.nvfp4_quant`` + ``nvfp4_mm`` (W4A4) or
-``nvfp4_w4a16_mm`` (W4A16)."""
+``torch.ops.scaledmm.nvfp4_linear`` (W4A4: ``nvfp4_quant`` + ``nvfp4_mm`` in
+one op) or ``nvfp4_w4a16_mm`` (W4A16)."""
 
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ class NvFp4Linear(QuantizedLinearBase):
     dict exactly.  ``.to(dtype)`` / ``.half()`` keep the codes and scales; a
     float conversion sets ``out_dtype`` (and the bias) to bf16, fp16 or fp32.
     The forward quantizes the activation with ``global_scale = 1 /
-    input_scale``, runs ``nvfp4_mm`` with ``alpha = input_scale *
-    weight_scale_2`` (W4A4) or ``nvfp4_w4a16_mm`` with ``weight_scale_2``
+    input_scale`` and runs ``nvfp4_mm`` with ``alpha = input_scale *
+    weight_scale_2``, both in one ``nvfp4_linear`` call (W4A4; at decode
+    sizes one launch on sm90) or ``nvfp4_w4a16_mm`` with ``weight_scale_2``
     (``use_w4a16=True``; bf16/fp16 activations, no activation quantization),
     adds the bias and returns the logical N columns.  It moves no weight
     bytes; it pads only the activation along K when K % 64 != 0.
@@ -274,9 +275,8 @@ class NvFp4Linear(QuantizedLinearBase):
                 gs, alpha = self._dynamic_scales(x2)
             else:
                 gs, alpha = self._global_scale, self._alpha
-            q, s = torch.ops.scaledmm.nvfp4_quant(x2, gs, True)
-            out = torch.ops.scaledmm.nvfp4_mm(q, self.weight, s, self.weight_scale, alpha, self.out_dtype,
-                                              self.bias)
+            out = torch.ops.scaledmm.nvfp4_linear(x2, self.weight, self.weight_scale, gs, alpha, self.out_dtype,
+                                                  self.bias)
         if self._n_pad != n:
             out = out[:, :n]
         return from_rows(out, x)

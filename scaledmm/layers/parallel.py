@@ -502,8 +502,7 @@ class RowParallelLinear(_ParallelLinear):
         amax = self._global_max(torch.maximum(_all_rows_amax(finite), inner._amax_floor))
         gs = inner._range / amax
         alpha = inner._weight_alpha / gs
-        q, s = torch.ops.scaledmm.nvfp4_quant(x2, gs, True)
-        out = torch.ops.scaledmm.nvfp4_mm(q, inner.weight, s, inner.weight_scale, alpha, inner.out_dtype, None)
+        out = torch.ops.scaledmm.nvfp4_linear(x2, inner.weight, inner.weight_scale, gs, alpha, inner.out_dtype, None)
         return out[:, :inner.out_features]
 
     def extra_repr(self) -> str:

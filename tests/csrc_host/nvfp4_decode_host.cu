@@ -1,6 +1,8 @@
-// Host harness of csrc/nvfp4_decode.cuh (see tests/test_csrc_host.py): the
-// header's __host__ __device__ helpers, compiled for the CPU.
+// Host harness of csrc/nvfp4_decode.cuh and csrc/nvfp4_quant.cuh (see
+// tests/test_csrc_host.py): the headers' __host__ __device__ helpers, compiled
+// for the CPU.
 #include "nvfp4_decode.cuh"
+#include "nvfp4_quant.cuh"
 
 #include "harness.h"
 
@@ -68,6 +70,24 @@ static void op_weight_scale_pairs(const word* in, std::vector<word>& out) {  // 
   out.push_back(hi);
 }
 
+// (w[8]: 16 fp16 / bf16 values as pairs, gs bits) -> (codes[2], scale byte)
+template <bool F16>
+static void op_quant_block16(const word* in, std::vector<word>& out) {
+  const u32 w[8] = {in[0], in[1], in[2], in[3], in[4], in[5], in[6], in[7]};
+  float x[16];
+  nvfp4_q::unpack_block16<F16>(w, x);
+  const float gs = nvfp4_q::bits_f32(in[8]);
+  u32 codes[2];
+  const u32 s = nvfp4_q::quant_block16(x, gs, nvfp4_q::rcp_rn(gs), codes);
+  out.push_back(codes[0]);
+  out.push_back(codes[1]);
+  out.push_back(s);
+}
+
+static void op_e4m3_byte(const word* in, std::vector<word>& out) {  // fp32 bits -> e4m3 byte
+  out.push_back(nvfp4_q::e4m3_byte(nvfp4_q::bits_f32(in[0])));
+}
+
 int main(int argc, char** argv) {
   static const Op ops[] = {
       {"decode8", 2, op_decode8},
@@ -82,6 +102,9 @@ int main(int argc, char** argv) {
       {"scale_pair_bf16", 1, op_scale_pair_bf16},
       {"weight_scale_pairs_f16", 1, op_weight_scale_pairs<0>},
       {"weight_scale_pairs_bf16", 1, op_weight_scale_pairs<2>},
+      {"quant_block16_bf16", 9, op_quant_block16<false>},
+      {"quant_block16_f16", 9, op_quant_block16<true>},
+      {"e4m3_byte", 1, op_e4m3_byte},
   };
   return run_harness(argc, argv, ops, sizeof(ops) / sizeof(ops[0]));
 }
