@@ -305,9 +305,9 @@ def __getattr__(name: str):
 
 
 def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4a16: bool = False) -> GemvConfig:
-    """A config for an unseen shape, by the rule the H200 table follows:
-    16-row tiles unless there are more than four per SM or M > 8 (then 32),
-    split K over clusters until every SM has a CTA, 8 warps while there are at
+    """A config for an unseen shape, by the rule the tables follow: 16-row
+    tiles up to M = 8 (W4A16: unless there are more than four per SM; then
+    and for M > 8, 32), split K over clusters until every SM has a CTA, 8 warps while there are at
     most two CTAs per SM (4 beyond), and the deepest register batch (<= 2
     units at M <= 8 in W4A4, 1 otherwise: a W4A16 unit holds 64 activation
     bytes per thread) that still gives each warp two of them.  The 32-row
@@ -316,7 +316,7 @@ def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w
     Examples
     --------
     >>> default_config(4096, 4096, 8).short(), default_config(28672, 4096, 8).short()
-    ('r16w8s1u2', 'r32w4s1u2')
+    ('r16w8s1u2', 'r16w4s1u2')
     >>> default_config(6144, 4096, 32).short(), default_config(28672, 4096, 32).short()
     ('r32w4s2u1', 'r32w4s1u1')
     """
@@ -326,7 +326,7 @@ def default_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w
             cfg = GemvConfig(rows, 4, split, 1)
             if config_valid(cfg, n, k, m_bucket, w4a16)[0]:
                 return cfg
-    rows = 16 if -(-n // 16) <= 4 * num_sms and m_bucket <= 8 else 32
+    rows = 16 if m_bucket <= 8 and (not w4a16 or -(-n // 16) <= 4 * num_sms) else 32
     tiles = -(-n // rows)
     units = -(-k // 128)
     split = 1
