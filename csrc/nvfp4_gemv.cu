@@ -64,10 +64,8 @@
 //    no atomics, no counters, bit-reproducible, CUDA-graph safe.
 //  * Programmatic dependent launch (a no-op without it): every thread waits
 //    for the previous grid (griddepcontrol.wait) before its first global
-//    read or write, then lets the next grid launch.  With G_QUANT the first
-//    weight batch is read before the wait: the weight is never written by a
-//    kernel, and its latency then overlaps the previous kernel's tail and the
-//    quantization.
+//    read or write, then lets the next grid launch.  (Even the weight waits:
+//    a PDL quantizer of ours may be writing it, e.g. right after from_float.)
 
 #ifndef G_N
 #error "G_N (output columns) must be defined"
@@ -370,9 +368,9 @@ __device__ __forceinline__ void store_out(u16* out, const void* bias, float alph
 // grid (ceil(N / ROWS), SPLIT), block (32 * WARPS); clusters of (1, SPLIT, 1).
 // m <= MB; a_stride: bytes between rows of a (a multiple of 16, or anything
 // when m == 1).  G_QUANT: m * (QPITCH + SPITCH) bytes of dynamic shared memory.
-// G_QUANT: one CTA per SM is enough for the register budget (the prologue's
-// loads sit next to the first weight batch); without it ptxas caps 512-thread
-// CTAs at 64 registers and spills.
+// G_QUANT asks for one resident CTA per SM, so ptxas may use up to
+// 65536 / THREADS registers: its default for 512-thread CTAs, 64, spills the
+// prologue's blocks (which sit next to the first weight batch).
 #if G_QUANT
 #define G_BOUNDS __launch_bounds__(gv::THREADS, 1)
 #else
@@ -434,9 +432,9 @@ nvfp4_gemv(const unsigned char* __restrict__ a, const unsigned char* __restrict_
   Batch b0, b1;
   int bi = warp;
   if (QUANT) {
-    if (bi < nbatch) load_batch<true, false>(b0, op, bi);
     grid_dependency_wait();
     launch_dependents();
+    if (bi < nbatch) load_batch<true, false>(b0, op, bi);
     quantize_rows(a, a_stride, m, *reinterpret_cast<const float*>(a_scales), op.u_begin, op.u_end, dyn,
                   dyn + m * QPITCH);
     __syncthreads();

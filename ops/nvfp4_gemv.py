@@ -142,7 +142,7 @@ def check_problem(p: Problem, max_m: int, linear: bool = False) -> tuple[bool, s
                        f"got {p.a_row_stride * size:g} bytes")
     if not p.opt("aligned16", True):
         return False, "needs 16-byte aligned activation and weight data pointers (vector loads)"
-    if linear and quant_smem(p.k, m_bucket(p.m), 1) > SMEM_DYNAMIC_MAX:
+    if linear and quant_smem(p.k, m_bucket(p.m), 8) > SMEM_DYNAMIC_MAX:  # K split 8 ways at most
         return False, f"the quantized rows of K = {p.k} exceed {SMEM_DYNAMIC_MAX} bytes of shared memory"
     return True, f"M <= {max_m}, K % 32 == 0"
 
@@ -211,8 +211,9 @@ class GemvConfig:
 def quant_smem(k: int, m: int, split_k: int) -> int:
     """Dynamic shared memory of an ``nvfp4_linear`` launch with ``m`` rows:
     the codes and scales of each row's K range (the kernel's QPITCH + SPITCH)."""
-    units = -(-(-(-k // 128)) // split_k)
-    return m * (units * 64 + (64 if units % 2 == 0 else 0) + units * 8)
+    units = -(-k // 128)  # 128-k units (the last may be partial)
+    per_cta = -(-units // split_k)
+    return m * (per_cta * 64 + (64 if per_cta % 2 == 0 else 0) + per_cta * 8)
 
 
 def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int, w4a16: bool = False,

@@ -435,7 +435,7 @@ def test_shipped_policy(fake_gpu):
     assert order.count(dc.NAME) == 1
     assert order.index(dc.NAME) < order.index("triton") < order.index("reference")
     expected = ["cuda_gemv", "cuda_wgmma", "cuda_mid"] if fake_gpu == "sm90" else []
-    assert order == expected + [dc.NAME, "triton", "reference"]
+    assert order == expected + [dc.NAME, "triton", "composite", "reference"]
     assert backends.policy("nvfp4", torch.device("cuda", 0)).switches[dc.NAME] == "SCALEDMM_NVFP4_DECODE_CUBLAS"
 
 

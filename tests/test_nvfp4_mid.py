@@ -135,7 +135,7 @@ def test_prebuild_hook():
 
 
 def test_priority_and_the_m_ranges(fake_sm90):
-    order = [gv.NAME, wg.NAME, md.NAME, "decode_cublas", "triton", "reference"]
+    order = [gv.NAME, wg.NAME, md.NAME, "decode_cublas", "triton", "composite", "reference"]
     assert backends.priority("nvfp4", torch.device("cuda", 0)) == order  # the shipped sm90 policy
     for m in (1, 16, 32):
         assert backends.select(_problem(m), "nvfp4_mm").name == gv.NAME

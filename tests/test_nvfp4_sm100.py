@@ -33,15 +33,16 @@ def test_backends_registered_with_op_signatures():
         "nvfp4_quant": ["x", "global_scale", "swizzle"],
         "nvfp4_mm": ["a", "b", "a_scales", "b_scales", "alpha", "out_dtype", "bias"],
         "nvfp4_w4a16_mm": ["x", "b", "b_scales", "weight_alpha", "out_dtype", "bias"],
+        "nvfp4_linear": ["x", "b", "b_scales", "global_scale", "alpha", "out_dtype", "bias"],
     }
     for op_name, args in schema_args.items():
         assert [a.name for a in getattr(ops, op_name).default._schema.arguments] == args
-    for name in ("reference", "torch", "flashinfer_cutedsl"):
+    for name in ("reference", "composite", "torch", "flashinfer_cutedsl"):
         for op_name, impl in backends.get("nvfp4", name).impls.items():
             params = list(inspect.signature(impl).parameters)
             assert len(params) == len(schema_args[op_name]), (name, op_name, params)
     assert set(backends.get("nvfp4", "reference").impls) == set(schema_args)
-    assert backends.priority("nvfp4", "cpu") == ["reference"]
+    assert backends.priority("nvfp4", "cpu") == ["composite", "reference"]
 
 
 @pytest.mark.skipif(N.FP4_DTYPE is None, reason="torch without float4_e2m1fn_x2")
