@@ -67,8 +67,8 @@ class NvFp4Linear(QuantizedLinearBase):
     float conversion sets ``out_dtype`` (and the bias) to bf16, fp16 or fp32.
     The forward quantizes the activation with ``global_scale = 1 /
     input_scale`` and runs ``nvfp4_mm`` with ``alpha = input_scale *
-    weight_scale_2``, both in one ``nvfp4_linear`` call (W4A4; at decode
-    sizes one launch on sm90) or ``nvfp4_w4a16_mm`` with ``weight_scale_2``
+    weight_scale_2``, both in one ``nvfp4_linear`` call (W4A4), or runs
+    ``nvfp4_w4a16_mm`` with ``weight_scale_2``
     (``use_w4a16=True``; bf16/fp16 activations, no activation quantization),
     adds the bias and returns the logical N columns.  It moves no weight
     bytes; it pads only the activation along K when K % 64 != 0.
