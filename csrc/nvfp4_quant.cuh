@@ -9,9 +9,10 @@
 //     code = e2m1 nearest even of x * r, x's sign   (0 where s == 0)
 //
 // __host__ __device__: the host build (tests/csrc_host) checks it against
-// reference_quant on the CPU.
+// reference_quant on the CPU.  The device side is fp8_quant_ptx.cuh's PTX.
 #pragma once
 
+#include "fp8_quant_ptx.cuh"
 #include "nvfp4_decode.cuh"
 
 namespace nvfp4_q {
@@ -20,9 +21,7 @@ using nvfp4_dec::u32;
 
 __host__ __device__ __forceinline__ float mul_rn(float a, float b) {
 #ifdef __CUDA_ARCH__
-  float d;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
+  return fq_ptx::mul_rn(a, b);
 #else
   volatile float d = a * b;  // one IEEE product, never contracted
   return d;
@@ -31,9 +30,7 @@ __host__ __device__ __forceinline__ float mul_rn(float a, float b) {
 
 __host__ __device__ __forceinline__ float rcp_rn(float a) {
 #ifdef __CUDA_ARCH__
-  float d;
-  asm("rcp.rn.f32 %0, %1;" : "=f"(d) : "f"(a));
-  return d;
+  return fq_ptx::rcp_rn(a);
 #else
   volatile float d = 1.0f / a;
   return d;
@@ -59,9 +56,7 @@ __host__ __device__ __forceinline__ float bits_f32(u32 b) {
 // The e4m3 byte of v >= 0 (or NaN): nearest even, saturating to 448, NaN -> 0x7F.
 __host__ __device__ __forceinline__ u32 e4m3_byte(float v) {
 #ifdef __CUDA_ARCH__
-  unsigned short d;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(0.f), "f"(v));
-  return d & 0xFFu;
+  return fq_ptx::e4m3x2(v, 0.f) & 0xFFu;
 #else
   if (v != v) return 0x7Fu;
   if (v >= 448.f) return 0x7Eu;
