@@ -215,13 +215,16 @@ def cuda_operands(m: int, n: int, k: int):
 
 def check_f64_bound(out, xd, wd, alpha, bias=None):
     """``out`` against float64 ``alpha * xd @ wd.T (+ bias)`` within one output
-    rounding plus fp32 summation."""
+    rounding (half an ulp: relative, or below the smallest normal the
+    subnormal spacing's half, e.g. a tiny bias on a zero row in fp16) plus
+    fp32 summation."""
     ref = xd.double() @ wd.double().t() * float(alpha)
     if bias is not None:
         ref = ref + bias.double()
     absum = xd.double().abs() @ wd.double().abs().t() * float(alpha)
     eps = 2.0 ** -8 if out.dtype == torch.bfloat16 else 2.0 ** -11
-    bound = ref.abs() * eps + absum * 2.0 ** -20 + 1e-30
+    subnormal = torch.finfo(out.dtype).smallest_normal * eps  # 2^-25 in fp16
+    bound = ref.abs() * eps + absum * 2.0 ** -20 + subnormal + 1e-30
     assert torch.isfinite(out).all(), "non-finite output (unwritten poison?)"
     err = (out.double() - ref).abs()
     assert (err <= bound).all(), f"worst {float((err / bound).max()):.2f}x the bound"
