@@ -379,15 +379,23 @@ def case_fp8_gemv(ctx: Ctx, block: bool):
 GEMV_MNK = (5, 200, 736)  # M <= 16, K % 32 == 0 with a partial 128-k unit
 
 
-def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, rows: int | None = None, backend: str = "cuda_gemv"):
+def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, rows: int | None = None, backend: str = "cuda_gemv",
+                    stages: int = 0):
     """cuda_gemv (csrc/nvfp4_gemv.cu) through the op: W4A4 at M = 5 (or
     ``rows``, read through a row stride: 29 is the 32-row bucket), or W4A16
     with a strided bf16 activation at M = 9 (two activation fragments).
-    ``backend="cuda_mid"`` runs csrc/nvfp4_mid.cu the same way."""
+    ``backend="cuda_mid"`` runs csrc/nvfp4_mid.cu the same way; ``stages``:
+    the gemv's shared-memory ring of that depth (two warps, one unit a batch)."""
     import torch
 
     import scaledmm
     from scaledmm.ops import nvfp4 as nv
+    from scaledmm.ops import nvfp4_gemv as gv
+
+    def forced(op, args):
+        if not stages:
+            return op(*args)
+        return (gv.gemv_w4a16 if w4a16 else gv.gemv_mm)(*args, cfg=gv.GemvConfig(16, 2, 1, 1, stages))
 
     m, n, k = GEMV_MNK
     _, qb, sb, gb = _nvfp4_quantized(ctx, n, k)
@@ -399,7 +407,7 @@ def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, rows: int | None = None, backend: str
         x_d, wa_d = ctx.strided(x), walpha.to(ctx.dev)
         need_backend("nvfp4", backend, nv.w4a16_problem(x_d, qb_d, torch.bfloat16, None))
         with scaledmm.use_backend("nvfp4", backend):
-            first, out = ctx.twice(lambda: torch.ops.scaledmm.nvfp4_w4a16_mm(x_d, qb_d, sb_d, wa_d))
+            first, out = ctx.twice(lambda: forced(torch.ops.scaledmm.nvfp4_w4a16_mm, (x_d, qb_d, sb_d, wa_d)))
         ref = x.double() @ nv.dequantize(qb, sb).double().t() * float(walpha)
         return close(out, ref, 1e-2, first)
     m = rows or m
@@ -410,7 +418,7 @@ def case_nvfp4_gemv(ctx: Ctx, w4a16: bool, rows: int | None = None, backend: str
         d[0] = ctx.strided(qa)
     need_backend("nvfp4", backend, nv.mm_problem(d[0], d[1], torch.bfloat16, None))
     with scaledmm.use_backend("nvfp4", backend):
-        first, out = ctx.twice(lambda: torch.ops.scaledmm.nvfp4_mm(*d))
+        first, out = ctx.twice(lambda: forced(torch.ops.scaledmm.nvfp4_mm, d))
     ref = (nv.dequantize(qa, sa).double() @ nv.dequantize(qb, sb).double().t()) * float(alpha)
     return close(out, ref, 1e-2, first)
 
@@ -758,6 +766,8 @@ CHILD_CASES = {
     "nvfp4_gemv_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False),
     "nvfp4_gemv_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True),
     "nvfp4_gemv_wide": lambda ctx: case_nvfp4_gemv(ctx, False, 29),
+    "nvfp4_gemv_ring": lambda ctx: case_nvfp4_gemv(ctx, False, stages=3),
+    "nvfp4_gemv_ring_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True, stages=4),
     "nvfp4_gemv_linear": case_nvfp4_gemv_linear,
     "nvfp4_mid_w4a4": lambda ctx: case_nvfp4_gemv(ctx, False, 100, "cuda_mid"),
     "nvfp4_mid_w4a16": lambda ctx: case_nvfp4_gemv(ctx, True, 40, "cuda_mid"),

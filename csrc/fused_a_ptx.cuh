@@ -88,6 +88,34 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   return a;
 }
 
+// cp.async of 16 bytes (L2 only; _weight: with a 256-byte L2 prefetch; _act:
+// through L1) or 4 bytes into shared memory, zero-filled when !ok (then no
+// byte of src is read).  A thread that reads back only its own copies needs
+// no barrier: cp.async.wait_group makes them visible to it.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async16_weight(u32 dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async16_act(u32 dst, const void* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
 // mbarriers (the TMA / bulk-copy kernels: dsv3_fused_a_gemm_tma.cu, nvfp4_wgmma.cu).
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");

@@ -30,6 +30,11 @@
 //                every CTA quantizes its K range of x into shared memory
 //                (nvfp4_quant's codes and scales bit for bit, nvfp4_quant.cuh)
 //                before its MMA loop, while its first weight batch is in flight
+//   G_STAGES     0: two register batches per warp (one in flight while the
+//                other is multiplied); 2..8: a per-thread ring of that many
+//                batches in dynamic shared memory filled by cp.async, so
+//                STAGES - 1 batches are in flight without holding registers
+//                (not with G_QUANT)
 //
 // Design (the kernel streams the packed weight from HBM once):
 //  * Swap-AB mma.sync m16n8k16 f16 x f16 -> f32: A = 16 weight rows x 16 k,
@@ -103,6 +108,9 @@
 #ifndef G_IN_F16
 #define G_IN_F16 0
 #endif
+#ifndef G_STAGES
+#define G_STAGES 0
+#endif
 
 #include "nvfp4_decode.cuh"
 #include "nvfp4_quant.cuh"
@@ -139,6 +147,16 @@ constexpr bool QUANT = G_QUANT != 0;
 // g + 1 then fall in distinct banks), then its scale bytes.
 constexpr int QPITCH = UNITS_PER_SPLIT * 64 + (UNITS_PER_SPLIT % 2 == 0 ? 64 : 0);
 constexpr int SPITCH = UNITS_PER_SPLIT * 8;
+// G_STAGES ring, per thread and unit: 16-byte copies (weight rows g, g + 8 of
+// each tile, then each fragment's activation) and 4-byte words holding the
+// 2-byte scale pairs (weights, then W4A4's activation).  Slot j of unit i of
+// stage s for thread tid sits at ((s U + i) R16 + j) THREADS + tid: a warp's
+// copies are contiguous, so its reads are conflict-free.
+constexpr int STAGES = G_STAGES;
+constexpr bool RING = STAGES > 0;
+constexpr int R16 = NT * 2 + MF * XV;
+constexpr int R4 = NT * 2 + (ACT == 0 ? MF : 0);
+constexpr int RING16_BYTES = STAGES * U * R16 * THREADS * 16;
 constexpr int QBLOCKS = UNITS_PER_SPLIT * 8;  // 16-k blocks of a row in the CTA's K range
 
 static_assert(K % 32 == 0 && K > 0, "K must be a positive multiple of 32");
@@ -151,6 +169,8 @@ static_assert(U >= 1 && U <= 4, "G_UNROLL must be 1..4");
 static_assert(ACT >= 0 && ACT <= 2, "G_ACT must be 0 (e2m1), 1 (fp16) or 2 (bf16)");
 static_assert(G_QUANT == 0 || (G_QUANT == 1 && ACT == 0), "G_QUANT 1 quantizes to e2m1: it needs G_ACT 0");
 static_assert(WARPS * TILE * 4 <= 48 * 1024, "reduction buffer exceeds 48 KiB of static shared memory");
+static_assert(STAGES == 0 || (STAGES >= 2 && STAGES <= 8), "G_STAGES must be 0 or 2..8");
+static_assert(!(RING && QUANT), "G_STAGES and G_QUANT both need the dynamic shared memory");
 
 __device__ __forceinline__ void mma_act(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   nvfp4_dec::mma_act<ACT>(d, a0, a1, a2, a3, b0, b1);
@@ -221,6 +241,72 @@ template <bool WEIGHTS = true, bool ACTS = true>
 __device__ __forceinline__ void load_batch(Batch& b, const Operands& op, int batch) {
 #pragma unroll
   for (int i = 0; i < U; ++i) load_unit<WEIGHTS, ACTS>(b, op, batch, i);
+}
+
+// G_STAGES: batch `batch` of the warp into ring stage `slot` (cp.async; the
+// caller commits the group).  A scale pair is copied as the aligned 4-byte
+// word that holds it (the launcher passes 4-byte aligned scale tensors; a
+// pair's offset in its word is 2 (t4 & 1) bytes).  `any`: a valid address for
+// the zero-filled copies, which read nothing.
+__device__ __forceinline__ const void* word_of(const unsigned char* p) {
+  return reinterpret_cast<const void*>(reinterpret_cast<unsigned long long>(p) & ~3ull);
+}
+
+__device__ __forceinline__ void ring_issue(u32 ring, const Operands& op, int batch, int slot, int tid,
+                                           const void* any) {
+#pragma unroll
+  for (int i = 0; i < U; ++i) {
+    const int unit = op.u_begin + batch * U + i;
+    const bool ok = unit_ok(op, unit);
+    const long long so = (long long)unit * 1024;
+    const long long wo = (long long)unit * 64;
+    const long long xo = (long long)unit * X_UNIT_BYTES;
+    const u32 s16 = ring + (u32)(((slot * U + i) * R16) * THREADS + tid) * 16u;
+    const u32 s4 = ring + RING16_BYTES + (u32)(((slot * U + i) * R4) * THREADS + tid) * 4u;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const bool rok = ok && (FULL_ROWS || op.w_ok[t][h]);
+        const int j = 2 * t + h;
+        cp_async16_weight(s16 + j * THREADS * 16, rok ? (const void*)(op.w_row[t][h] + wo) : any, rok);
+        cp_async4(s4 + j * THREADS * 4, rok ? word_of(op.ws_row[t][h] + so) : any, rok);
+      }
+    }
+#pragma unroll
+    for (int f = 0; f < MF; ++f) {
+      const bool rok = ok && op.x_ok[f];
+#pragma unroll
+      for (int v = 0; v < XV; ++v) {
+        cp_async16_act(s16 + (NT * 2 + f * XV + v) * THREADS * 16,
+                       rok ? (const void*)(op.x_row[f] + xo + 16 * v) : any, rok);
+      }
+      if (ACT == 0) cp_async4(s4 + (NT * 2 + f) * THREADS * 4, rok ? word_of(op.xs_row[f] + so) : any, rok);
+    }
+  }
+}
+
+// Ring stage `slot` into a register batch (this thread's own copies).
+__device__ __forceinline__ void ring_read(Batch& b, const unsigned char* ring, int slot, int tid, int shift) {
+#pragma unroll
+  for (int i = 0; i < U; ++i) {
+    const V4* s16 = reinterpret_cast<const V4*>(ring) + ((slot * U + i) * R16) * THREADS + tid;
+    const u32* s4 = reinterpret_cast<const u32*>(ring + RING16_BYTES) + ((slot * U + i) * R4) * THREADS + tid;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        b.w[i][t][h] = s16[(2 * t + h) * THREADS];
+        b.ws[i][t][h] = (s4[(2 * t + h) * THREADS] >> shift) & 0xFFFFu;
+      }
+    }
+#pragma unroll
+    for (int f = 0; f < MF; ++f) {
+#pragma unroll
+      for (int v = 0; v < XV; ++v) b.x[i][f][v] = s16[(NT * 2 + f * XV + v) * THREADS];
+      if (ACT == 0) b.xs[i][f] = (s4[(NT * 2 + f) * THREADS] >> shift) & 0xFFFFu;
+    }
+  }
 }
 
 // G_QUANT: the codes and scales of x's rows [0, m), 16-k blocks
@@ -367,7 +453,9 @@ __device__ __forceinline__ void store_out(u16* out, const void* bias, float alph
 
 // grid (ceil(N / ROWS), SPLIT), block (32 * WARPS); clusters of (1, SPLIT, 1).
 // m <= MB; a_stride: bytes between rows of a (a multiple of 16, or anything
-// when m == 1).  G_QUANT: m * (QPITCH + SPITCH) bytes of dynamic shared memory.
+// when m == 1).  G_QUANT: m * (QPITCH + SPITCH) bytes of dynamic shared memory;
+// G_STAGES: STAGES * U * THREADS * (16 R16 + 4 R4) bytes, and 4-byte aligned
+// scale tensors.
 // G_QUANT asks for one resident CTA per SM, so ptxas may use up to
 // 65536 / THREADS registers: its default for 512-thread CTAs, 64, spills the
 // prologue's blocks (which sit next to the first weight batch).
@@ -384,7 +472,7 @@ nvfp4_gemv(const unsigned char* __restrict__ a, const unsigned char* __restrict_
            int m, long long a_stride) {
   using namespace gv;
   __shared__ float red[WARPS][TILE];  // red[warp][mm * ROWS + row]
-  extern __shared__ __align__(16) unsigned char dyn[];  // G_QUANT: m * (QPITCH + SPITCH) bytes
+  extern __shared__ __align__(16) unsigned char dyn[];  // G_QUANT's rows or G_STAGES' ring
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -427,31 +515,57 @@ nvfp4_gemv(const unsigned char* __restrict__ a, const unsigned char* __restrict_
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[t][f][e] = 0.f;
 
-  // Warps take batches of U units round-robin; two register batches in flight.
+  // Warps take batches of U units round-robin: batches warp, warp + WARPS, ...
   const int nbatch = (op.u_end - op.u_begin + U - 1) / U;
-  Batch b0, b1;
-  int bi = warp;
-  if (QUANT) {
+  if constexpr (RING) {
+    const int nloc = warp < nbatch ? (nbatch - 1 - warp) / WARPS + 1 : 0;
+    const u32 ring = smem_addr(dyn);
+    const int tid = threadIdx.x;
+    const int shift = 16 * (t4 & 1);
     grid_dependency_wait();
     launch_dependents();
-    if (bi < nbatch) load_batch<true, false>(b0, op, bi);
-    quantize_rows(a, a_stride, m, *reinterpret_cast<const float*>(a_scales), op.u_begin, op.u_end, dyn,
-                  dyn + m * QPITCH);
-    __syncthreads();
-    if (bi < nbatch) load_batch<false, true>(b0, op, bi);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < nloc) ring_issue(ring, op, warp + s * WARPS, s, tid, b);
+      cp_async_commit();
+    }
+    Batch cur;
+    for (int j = 0; j < nloc; ++j) {
+      cp_async_wait<STAGES - 2>();  // this thread's group j has landed
+      ring_read(cur, dyn, j % STAGES, tid, shift);
+      // Refill the stage read in iteration j - 1: its values fed that
+      // iteration's MMAs, which were issued before this copy.
+      const int nj = j + STAGES - 1;
+      if (nj < nloc) ring_issue(ring, op, warp + nj * WARPS, nj % STAGES, tid, b);
+      cp_async_commit();
+      mma_batch(acc, cur);
+    }
+    cp_async_wait<0>();
   } else {
-    grid_dependency_wait();
-    launch_dependents();
-    if (bi < nbatch) load_batch(b0, op, bi);
-  }
-  while (bi < nbatch) {
-    if (bi + WARPS < nbatch) load_batch(b1, op, bi + WARPS);
-    mma_batch(acc, b0);
-    bi += WARPS;
-    if (bi >= nbatch) break;
-    if (bi + WARPS < nbatch) load_batch(b0, op, bi + WARPS);
-    mma_batch(acc, b1);
-    bi += WARPS;
+    Batch b0, b1;  // two register batches in flight
+    int bi = warp;
+    if (QUANT) {
+      grid_dependency_wait();
+      launch_dependents();
+      if (bi < nbatch) load_batch<true, false>(b0, op, bi);
+      quantize_rows(a, a_stride, m, *reinterpret_cast<const float*>(a_scales), op.u_begin, op.u_end, dyn,
+                    dyn + m * QPITCH);
+      __syncthreads();
+      if (bi < nbatch) load_batch<false, true>(b0, op, bi);
+    } else {
+      grid_dependency_wait();
+      launch_dependents();
+      if (bi < nbatch) load_batch(b0, op, bi);
+    }
+    while (bi < nbatch) {
+      if (bi + WARPS < nbatch) load_batch(b1, op, bi + WARPS);
+      mma_batch(acc, b0);
+      bi += WARPS;
+      if (bi >= nbatch) break;
+      if (bi + WARPS < nbatch) load_batch(b0, op, bi + WARPS);
+      mma_batch(acc, b1);
+      bi += WARPS;
+    }
   }
 
   // Warp partials -> shared memory, summed over warps and the cluster.

@@ -255,22 +255,7 @@ __device__ __forceinline__ void load_w_step(WRegs& wr, const WRows& rows, int st
   }
 }
 
-// -- P_RING > 0: the warp's weight through a cp.async ring ---------------------
-
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool ok) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
+// -- P_RING > 0: the warp's weight through a cp.async ring (fused_a_ptx.cuh's copies) --
 
 __device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
   u32 v;

@@ -82,6 +82,9 @@ REGS_PER_SM = 65536
 MAX_REGS = 255
 SMEM_STATIC = 48 * 1024
 SMEM_DYNAMIC_MAX = 227 * 1024 - SMEM_STATIC  # sm90's opt-in limit per CTA, less the static reduction buffer
+MAX_STAGES = 8
+# A ring above this leaves one CTA per SM (the grid's CTAs then run in turns).
+RING_BYTES_MAX = 112 * 1024
 
 # ----------------------------------------------------------------------------
 # Capability checks
@@ -165,13 +168,18 @@ class GemvConfig:
     split_k : int
         CTAs per cluster splitting K (1, 2, 4, 8); partials added through DSMEM.
     unroll : int
-        128-wide K units per register batch (two batches in flight per warp).
+        128-wide K units per batch.
+    stages : int
+        0: two register batches per warp, one in flight while the other is
+        multiplied; 2..8: a per-thread shared-memory ring of that many batches
+        filled by ``cp.async`` (``stages - 1`` in flight, no registers held).
     """
 
     rows: int = 32
     warps: int = 4
     split_k: int = 1
     unroll: int = 2
+    stages: int = 0
 
     def registers(self, m_bucket: int, w4a16: bool = False, quant: bool = False) -> int:
         """Estimated registers per thread (two batches of 16-byte loads and
@@ -179,12 +187,28 @@ class GemvConfig:
         rows, one word per fragment beyond, next to the decoded weight words),
         an upper bound of ptxas' count (checked by the tests).  W4A16 holds
         four 16-byte activation loads per unit instead of one and its scale;
-        ``quant`` (``gemv_linear``) adds the prologue's two blocks in flight."""
+        ``quant`` (``gemv_linear``) adds the prologue's two blocks in flight;
+        a ring (``stages``) holds one batch in registers."""
         nt, mf = self.rows // 16, m_bucket // 8
         x_regs = 16 if w4a16 else 5
         decoded = mf * 16 if mf <= 2 else nt * 8 + 4 + 2 * mf
         extra = 56 if w4a16 else 64 if quant else 48
+        if self.stages:  # one batch, plus the ring's addresses (the wide path, mf > 2, keeps two's worth)
+            return ((1 if mf <= 2 else 2) * self.unroll * (2 * nt * 5 + mf * x_regs) + nt * mf * 4 + decoded
+                    + extra + 12)
         return 2 * self.unroll * (2 * nt * 5 + mf * x_regs) + nt * mf * 4 + decoded + extra
+
+    def ring_bytes(self, m_bucket: int, w4a16: bool = False) -> int:
+        """Dynamic shared memory of the ring (0 without one): per stage, unit
+        and thread the 16-byte copies of two weight rows a tile and the
+        activation fragments, and a 4-byte word per scale pair (the kernel's
+        R16, R4)."""
+        if not self.stages:
+            return 0
+        nt, mf = self.rows // 16, m_bucket // 8
+        r16 = 2 * nt + mf * (4 if w4a16 else 1)
+        r4 = 2 * nt + (0 if w4a16 else mf)
+        return self.stages * self.unroll * self.threads() * (16 * r16 + 4 * r4)
 
     def threads(self) -> int:
         return 32 * self.warps
@@ -200,12 +224,15 @@ class GemvConfig:
         d = {"G_N": n, "G_K": k, "G_ROWS": self.rows, "G_WARPS": self.warps, "G_SPLIT": self.split_k,
              "G_UNROLL": self.unroll, "G_MB": m_bucket, "G_OUT_F16": int(out_dtype == torch.float16),
              "G_BIAS": BIAS_CODES[bias_dtype], "G_ACT": 0 if quant else ACT_CODES[act_dtype]}
+        if self.stages:
+            d["G_STAGES"] = self.stages
         if quant:
             d.update(G_QUANT=1, G_IN_F16=int(act_dtype == torch.float16))
         return d
 
     def short(self) -> str:
-        return f"r{self.rows}w{self.warps}s{self.split_k}u{self.unroll}"
+        ring = f"p{self.stages}" if self.stages else ""
+        return f"r{self.rows}w{self.warps}s{self.split_k}u{self.unroll}{ring}"
 
 
 def quant_smem(k: int, m: int, split_k: int) -> int:
@@ -225,6 +252,8 @@ def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int, w4a16: bool = F
     if quant:
         if w4a16:
             return False, "quant quantizes to e2m1 (W4A4): it excludes w4a16"
+        if getattr(cfg, "stages", 0):
+            return False, f"quant needs the shared memory a ring takes: expected stages 0, got {cfg.stages}"
         if m_bucket > MAX_M_LINEAR:
             return False, f"m_bucket {m_bucket} is over the nvfp4_linear limit {MAX_M_LINEAR}"
         if quant_smem(k, m_bucket, cfg.split_k) > SMEM_DYNAMIC_MAX:
@@ -246,6 +275,11 @@ def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int, w4a16: bool = F
         return False, f"warps must be 1..16, got {cfg.warps}"
     if not 1 <= cfg.unroll <= 4:
         return False, f"unroll must be 1..4, got {cfg.unroll}"
+    if cfg.stages != 0 and not 2 <= cfg.stages <= MAX_STAGES:
+        return False, f"stages must be 0 or 2..{MAX_STAGES}, got {cfg.stages}"
+    if cfg.ring_bytes(m_bucket, w4a16) > RING_BYTES_MAX:
+        return False, (f"a ring of {cfg.ring_bytes(m_bucket, w4a16)} bytes is over the {RING_BYTES_MAX} bytes "
+                       f"of shared memory it may take")
     limit = min(MAX_REGS, REGS_PER_SM // cfg.threads())
     regs = cfg.registers(m_bucket, w4a16, quant)
     if regs > limit:
@@ -356,7 +390,7 @@ def choose_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200, w4
 def choose_linear_config(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200) -> GemvConfig:
     """``nvfp4_linear``'s config: the W4A4 GEMM's (the same weight stream),
     with K split further until the quantized rows fit the shared memory."""
-    cfg = choose_config(n, k, m_bucket, num_sms)
+    cfg = dataclasses.replace(choose_config(n, k, m_bucket, num_sms), stages=0)  # the prologue needs the smem
     while not config_valid(cfg, n, k, m_bucket, quant=True)[0] and cfg.split_k < 8:
         cfg = dataclasses.replace(cfg, split_k=2 * cfg.split_k)
     return cfg
@@ -371,6 +405,9 @@ def candidate_linear_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_S
     return [first, *rest]
 
 
+RING_STAGES = (3, 4, 6)  # the ring depths a sweep tries
+
+
 def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200,
                       w4a16: bool = False) -> list[GemvConfig]:
     """The benchmark's sweep: the chosen config first, then tile x split x
@@ -383,14 +420,18 @@ def candidate_configs(n: int, k: int, m_bucket: int, num_sms: int = NUM_SMS_H200
         for split in (1, 2, 4, 8):
             for warps in (2, 4, 8, 16):
                 for unroll in (1, 2, 3, 4):
-                    cfg = GemvConfig(rows, warps, split, unroll)
-                    if (cfg != first and config_valid(cfg, n, k, m_bucket, w4a16)[0]
-                            and units / split >= warps * unroll):
-                        found.append(cfg)
+                    for stages in (0, *RING_STAGES):
+                        cfg = GemvConfig(rows, warps, split, unroll, stages)
+                        # a ring needs more batches per warp than it holds in flight
+                        per_warp = units / split / (warps * unroll)
+                        if (cfg != first and config_valid(cfg, n, k, m_bucket, w4a16)[0]
+                                and per_warp >= (stages if stages else 1) and (not stages or unroll <= 2)):
+                            found.append(cfg)
 
     def distance(c: GemvConfig) -> int:
         return (abs(c.rows.bit_length() - first.rows.bit_length()) + abs(c.split_k.bit_length() - first.split_k.bit_length())
-                + abs(c.warps.bit_length() - first.warps.bit_length()) + abs(c.unroll - first.unroll))
+                + abs(c.warps.bit_length() - first.warps.bit_length()) + abs(c.unroll - first.unroll)
+                + (c.stages != first.stages))
 
     return [first, *sorted(found, key=distance)]
 
@@ -450,12 +491,13 @@ def launch(a, b, a_scales, b_scales, alpha, bias, out: torch.Tensor, cfg: GemvCo
     mb = m_bucket(m)
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     cfg = cfg or choose_config(n, k, mb, sm_count(dev), w4a16)
-    use_pdl = pdl(a.device)
+    if cfg.stages and (b_scales.data_ptr() % 4 or (not w4a16 and a_scales.data_ptr() % 4)):
+        cfg = dataclasses.replace(cfg, stages=0)  # the ring copies scale pairs as aligned 4-byte words
     spec = kernel_spec(n, k, mb, cfg, out.dtype, None if bias is None else bias.dtype, a.dtype)
     spec.kernel().launch(cfg.grid(n), cfg.threads(),
                          (a, b, a_scales, b_scales, alpha, bias, out, ctypes.c_int(m),
                           ctypes.c_longlong(a.stride(0) * a.element_size())),
-                         device=a.device, pdl=use_pdl)
+                         device=a.device, shared_mem=cfg.ring_bytes(mb, w4a16), pdl=pdl(a.device))
     return out
 
 

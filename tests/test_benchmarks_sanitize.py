@@ -46,7 +46,8 @@ def test_jobs_per_case_and_order():
                                                                    else [])
         assert sorted(by_case[c.name]) == sorted(want), c.name
     csrc_cases = {"skinny_v1", "skinny_v2", "nvfp4_gemv_w4a4", "nvfp4_gemv_w4a16", "nvfp4_gemv_wide",
-                  "nvfp4_gemv_linear", "nvfp4_mid_w4a4", "nvfp4_mid_w4a16", "nvfp4_mid_ring", "fp8_gemv_token", "fp8_gemv_block_split",
+                  "nvfp4_gemv_linear", "nvfp4_gemv_ring", "nvfp4_gemv_ring_w4a16",
+                  "nvfp4_mid_w4a4", "nvfp4_mid_w4a16", "nvfp4_mid_ring", "fp8_gemv_token", "fp8_gemv_block_split",
                   "nvfp4_wgmma_w4a4", "nvfp4_wgmma_w4a16", "nvfp4_wgmma_pwg", "fp8_wgmma_split", "fp8_wgmma_tensor",
                   "fp8_wgmma_two_wg", "fp8_wgmma_block_chain", "fp8_wgmma_block_two_wg", "fp8_wgmma_pwg",
                   "fp8_wgmma_linear", "fp8_wgmma_linear_two_wg", "nvfp4_wgmma_persistent", "fp8_wgmma_persistent"}

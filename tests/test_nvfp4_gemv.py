@@ -68,6 +68,12 @@ def _instances():
     out[(4096, 4096, 8, gv.GemvConfig(16, 4, 1, 2), F16, None, F16)] = None
     out[(1000, 96, 32, gv.GemvConfig(16, 2, 1, 1), F16, F16, U8)] = None  # wide path, partial rows, bias
     out[(1040, 4096, 32, gv.GemvConfig(32, 4, 2, 1), BF16, torch.float32, U8)] = None
+    # the shared-memory ring: every M bucket, W4A4 and W4A16, partial rows and units, split K
+    out[(4096, 4096, 8, gv.GemvConfig(16, 4, 1, 2, 4), BF16, None, U8)] = None
+    out[(1000, 96, 16, gv.GemvConfig(32, 2, 1, 1, 3), F16, F16, U8)] = None
+    out[(1000, 96, 32, gv.GemvConfig(16, 2, 1, 1, 3), BF16, BF16, U8)] = None
+    out[(1040, 4096, 8, gv.GemvConfig(16, 4, 2, 1, 6), BF16, None, BF16)] = None
+    out[(1040, 4096, 16, gv.GemvConfig(32, 4, 2, 1, 4), F16, torch.float32, F16)] = None
     return list(out)
 
 
@@ -111,11 +117,30 @@ def test_kernel_rejects_bad_defines():
     (gv.GemvConfig(32, 4, 1, 2), 64, 4096, 32, "registers"),
     (gv.GemvConfig(split_k=8), 64, 512, 8, "exceeds"),
     (gv.GemvConfig(64, 16, 1, 4), 64, 4096, 16, "registers"),
+    (gv.GemvConfig(16, 4, 1, 1, 1), 64, 4096, 8, "stages"),
+    (gv.GemvConfig(16, 4, 1, 1, 9), 64, 4096, 8, "stages"),
+    (gv.GemvConfig(16, 16, 1, 2, 8), 64, 4096, 16, "ring of"),
     ("r32", 64, 128, 8, "GemvConfig"),
 ])
 def test_config_predicate_rejects(cfg, n, k, mb, why):
     ok, reason = gv.config_valid(cfg, n, k, mb)
     assert not ok and why in reason
+
+
+def test_ring_bytes_and_names():
+    ring = gv.GemvConfig(16, 4, 1, 2, 4)
+    # per stage, unit and thread: two weight rows + one activation fragment of 16 bytes, three scale words
+    assert ring.ring_bytes(8) == 4 * 2 * 128 * (16 * 3 + 4 * 3)
+    # W4A16 at M <= 16: two fragments of four 16-byte loads, only the weight's two scale words
+    assert ring.ring_bytes(16, w4a16=True) == 4 * 2 * 128 * (16 * 10 + 4 * 2)
+    assert gv.GemvConfig(16, 4, 1, 2).ring_bytes(8) == 0
+    assert ring.short() == "r16w4s1u2p4" and gv.GemvConfig(16, 4, 1, 2).short() == "r16w4s1u2"
+    assert ring.defines(64, 128, 8, torch.bfloat16, None)["G_STAGES"] == 4
+    assert "G_STAGES" not in gv.GemvConfig(16, 4, 1, 2).defines(64, 128, 8, torch.bfloat16, None)
+    ok, why = gv.config_valid(ring, 4096, 4096, 8, quant=True)
+    assert not ok and "stages 0" in why
+    cands = gv.candidate_configs(28672, 4096, 8)
+    assert any(c.stages for c in cands) and any(not c.stages for c in cands)
 
 
 def test_w4a16_bucket_limit_and_m_buckets():
@@ -298,6 +323,58 @@ def test_gpu_every_candidate_config(mb):
 
 
 @requires_sm90
+@pytest.mark.parametrize("w4a16", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 9, 17, 32])
+def test_gpu_ring_is_bitwise_the_register_path(m, w4a16):
+    """The ring changes only where a batch waits, not the sums: every depth is
+    bit for bit the register-batch kernel of the same tiles (partial rows and
+    units, split K, strided rows), and within the float64 bound."""
+    if m > gv.MAX_M[w4a16]:
+        pytest.skip("over the W4A16 limit")
+    n, k = 1040, 2080  # 16 full 128-k units and a partial one
+    mb = gv.m_bucket(m)
+    if w4a16:
+        x, qb, sb, alpha = _w4a16_operands(m, n, k)
+        wide = torch.zeros(m, k + 64, dtype=x.dtype, device="cuda")
+        wide[:, 32:32 + k] = x
+        x = wide[:, 32:32 + k]
+        run = lambda cfg: _run16(x, qb, sb, alpha, cfg=cfg)  # noqa: E731
+    else:
+        qa, sa, qb, sb, alpha = _operands(m, n, k)
+        run = lambda cfg: _run(qa, sa, qb, sb, alpha, cfg=cfg)  # noqa: E731
+    tried = 0
+    for base in (gv.GemvConfig(16, 2, 1, 1), gv.GemvConfig(32, 4, 2, 1), gv.GemvConfig(16, 4, 1, 2)):
+        want = None
+        for stages in (2, 3, 4, 6):
+            cfg = dataclasses.replace(base, stages=stages)
+            if not (gv.config_valid(cfg, n, k, mb, w4a16)[0] and gv.config_valid(base, n, k, mb, w4a16)[0]):
+                continue
+            if want is None:
+                want = run(base)
+                if w4a16:
+                    _check16(want, x, qb, sb, alpha)
+                else:
+                    _check(want, qa, sa, qb, sb, alpha)
+            assert torch.equal(run(cfg), want), cfg.short()
+            tried += 1
+    assert tried >= 6
+
+
+@requires_sm90
+def test_gpu_ring_with_misaligned_scales_takes_the_register_path():
+    """A scale tensor 2 bytes off a 4-byte boundary cannot be copied as whole
+    words: the launch drops the ring and the result is unchanged."""
+    qa, sa, qb, sb, alpha = _operands(4, 256, 512)
+    ring = gv.GemvConfig(16, 2, 1, 1, 3)
+    want = _run(qa, sa, qb, sb, alpha, cfg=ring)
+    raw = torch.zeros(sb.numel() + 2, dtype=torch.uint8, device="cuda")
+    raw[2:] = sb.view(torch.uint8).flatten()
+    sb_odd = raw[2:].view(sb.dtype).view(sb.shape)
+    assert sb_odd.data_ptr() % 4 == 2
+    assert torch.equal(_run(qa, sa, qb, sb_odd, alpha, cfg=ring), want)
+
+
+@requires_sm90
 def test_gpu_zero_m_strided_and_misaligned():
     qa, sa, qb, sb, alpha = _operands(4, 256, 512)
     qa0, sa0 = torch.ops.scaledmm.nvfp4_quant(torch.empty(0, 512, dtype=torch.bfloat16, device="cuda"), alpha)
@@ -374,7 +451,8 @@ def test_tuning_table_valid_and_rule_reproduces_its_m8_tiles():
             assert gv.config_valid(cfg, n, k, mb) == (True, "ok"), (n, k, mb, cfg)
             assert gv.choose_config(n, k, mb) == cfg
         rule = gv.default_config(n, k, 8)  # the measured warps / unroll vary by shape; tiles and split follow it
-        assert (rule.rows, rule.split_k) == (per_mb[8].rows, per_mb[8].split_k), (n, k)
+        if not per_mb[8].stages:  # the rule knows no ring: a ring row's tiles are the sweep's own
+            assert (rule.rows, rule.split_k) == (per_mb[8].rows, per_mb[8].split_k), (n, k)
     for (n, k), per_mb in gv.TUNING_W4A16.items():
         for mb, cfg in per_mb.items():
             assert gv.config_valid(cfg, n, k, mb, w4a16=True) == (True, "ok"), (n, k, mb, cfg)
