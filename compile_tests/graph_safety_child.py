@@ -96,6 +96,7 @@ OPS: dict[str, Op] = {
     "nvfp4_mm": Op(Family.NVFP4, "nvfp4_mm", True),
     "nvfp4_w4a16_mm": Op(Family.NVFP4, "nvfp4_w4a16_mm", True),
     "nvfp4_linear": Op(Family.NVFP4, "nvfp4_linear", True),
+    "nvfp4_dynamic_linear": Op(Family.NVFP4, "nvfp4_dynamic_linear", True),
     "dsv3_fused_a_gemm": Op(Family.SKINNY, "dsv3_fused_a_gemm", True),
     "scaledmm.skinny_linear": Op(Family.SKINNY, "dsv3_fused_a_gemm", True),
 }
@@ -200,6 +201,8 @@ def call(op: str, w, *a):
         return ops.nvfp4_w4a16_mm(a[0], w.qw, w.sw, w.alpha_w, BF16, w.bias)
     if op == "nvfp4_linear":
         return ops.nvfp4_linear(a[0], w.qw, w.sw, w.gs, w.alpha, BF16, w.bias)
+    if op == "nvfp4_dynamic_linear":  # the per-row amax reduced in the graph, as NvFp4Linear does
+        return ops.nvfp4_dynamic_linear(a[0], a[0].float().abs().amax(dim=1), w.qw, w.sw, w.alpha_w, BF16, w.bias)
     if op == "dsv3_fused_a_gemm":
         return ops.dsv3_fused_a_gemm(a[0], w.wb)
     if op == "scaledmm.skinny_linear":
@@ -248,7 +251,7 @@ def backend_problems(op: str, w: Weights, a: tuple[torch.Tensor, ...]) -> list[t
         return [(nv.mm_problem(x, w.qw, BF16, w.bias), op)]
     if op == "nvfp4_w4a16_mm":
         return [(nv.w4a16_problem(x, w.qw, BF16, w.bias), op)]
-    if op == "nvfp4_linear":
+    if op in ("nvfp4_linear", "nvfp4_dynamic_linear"):
         return [(nv.linear_problem(x, w.qw, BF16, w.bias), op)]
     if op in ("dsv3_fused_a_gemm", "scaledmm.skinny_linear"):
         # M = 0 returns before selecting; skinny_linear above 16 rows is F.linear

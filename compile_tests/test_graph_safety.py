@@ -227,7 +227,8 @@ def test_cases_cover_every_op_and_inputs_have_the_right_shapes():
     assert {op for op, _ in cases} == set(child.OPS)
     # the CPU runs no other backend outside the interpreter (the fused linear ops' composites: their two ops, on
     # the reference)
-    assert all(b == "reference" or (op, b) in (("fp8_linear", "composite"), ("nvfp4_linear", "composite"))
+    assert all(b == "reference" or (op, b) in (("fp8_linear", "composite"), ("nvfp4_linear", "composite"),
+                                                ("nvfp4_dynamic_linear", "composite"))
                for op, b in cases)
     assert len(child.matrix_cases(cpu)) == 4 * len(cases)
     w = _cpu_weights()
@@ -271,6 +272,8 @@ def test_gpu_backends_are_planned_on_the_m_they_take():
     assert plan("dsv3_fused_a_gemm", "fused_a") == [3, 1, 4, 0]
     assert plan("scaledmm.skinny_linear", "fused_a") == every
     gpu_cases = child.cases(torch.device("cuda"), device_checked=False)
+    assert ("nvfp4_dynamic_linear", "triton") in gpu_cases  # its quantizer computes the scales
+    assert plan("nvfp4_dynamic_linear", "triton") == every
     for op, backend in (("fp8_block_mm", "cutlass"), ("nvfp4_mm", "triton"), ("fp8_block_linear", "composite"),
                         ("quant_fp8", "triton"), ("dsv3_fused_a_gemm", "fused_a")):
         assert (op, backend) in gpu_cases

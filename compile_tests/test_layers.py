@@ -43,7 +43,7 @@ LAYER_OPS = {
     "fp8_channel_token": {"scaledmm.fp8_linear"},
     "fp8_static": {"scaledmm.fp8_linear"},
     "nvfp4_static": {"scaledmm.nvfp4_linear"},
-    "nvfp4_dynamic": {"scaledmm.nvfp4_linear"},
+    "nvfp4_dynamic": {"scaledmm.nvfp4_dynamic_linear"},
     "nvfp4_w4a16": {"scaledmm.nvfp4_w4a16_mm"},
     "skinny": {"scaledmm.dsv3_fused_a_gemm"},
     "skinny_bias": {"scaledmm.dsv3_fused_a_gemm"},
@@ -151,7 +151,7 @@ def test_all_layers_inductor_with_and_without_pass():
     p = sc.passes()
     code = inductor_code(model, (x,), post_grad_custom_post_pass=p)
     assert p.stats["size_conds"] == 1  # skinny_linear's cond -> dynamic_skinny_linear
-    for op in ("dynamic_skinny_linear", "fp8_block_linear", "fp8_linear", "nvfp4_linear"):
+    for op in ("dynamic_skinny_linear", "fp8_block_linear", "fp8_linear", "nvfp4_dynamic_linear"):
         assert f"torch.ops.scaledmm.{op}.default" in code, op
     code0 = inductor_code(model, (x,))
     assert "torch.ops.scaledmm.dsv3_fused_a_gemm.default" in code0

@@ -29,6 +29,12 @@ def _(x, b, b_scales, global_scale, alpha, out_dtype=torch.bfloat16, bias=None):
     return ops.mm_output(x, b, out_dtype)
 
 
+@torch.library.register_fake("scaledmm::nvfp4_dynamic_linear")
+def _(x, x_amax, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None):
+    ops.check_dynamic_linear_args(x, x_amax, b, b_scales, weight_alpha, out_dtype, bias)
+    return ops.mm_output(x, b, out_dtype)
+
+
 @torch.library.register_fake("scaledmm::swizzle_block_scales")
 def _(s):
     return ops.swizzle_output(s)

@@ -14,6 +14,10 @@ Conventions of this module:
 * ``global_scale`` (quantize multiplier) and ``alpha`` / ``weight_alpha``
   (decode multipliers) are float32 tensors with exactly one element: 0-D or
   any shape such as ``[1]``.  They stay on the device, so nothing syncs.
+* ``nvfp4_dynamic_linear`` is ``nvfp4_linear`` with the activation's global
+  scale computed in the op from amax values (``x_amax``, e.g. the per-row amax
+  its producer reduced): ``gs = 448 * 6 / max(max(x_amax), 1e-30)`` and
+  ``alpha = weight_alpha / gs``, each one IEEE float32 operation.
 * ``nvfp4_mm``, ``nvfp4_w4a16_mm`` and ``nvfp4_linear`` (``nvfp4_quant`` + ``nvfp4_mm``
   in one op) take block scales only in the swizzled
   layout, with exactly the padded shape ``[round_up(R, 128), round_up(K/16, 4)]``
@@ -46,11 +50,18 @@ E2M1_MAX = 6.0
 SCALE_ROWS = 128  # swizzled scale layout: rows padded to this ...
 SCALE_COLS = 4  # ... and scale columns to this
 FP4_DTYPE = getattr(torch, "float4_e2m1fn_x2", None)
+#: Largest magnitude one global scale maps to: e4m3's largest block scale
+#: times e2m1's largest code.  A dynamic global scale is this over the amax.
+RANGE = FP8_MAX * E2M1_MAX
+#: Floor of a dynamic amax: keeps ``RANGE / amax`` finite (an all-zero
+#: activation then gets zero block scales and codes, not ``inf * 0``).
+AMAX_FLOOR = 1e-30
 
 __all__ = [
     "E2M1_VALUES", "e2m1_encode", "e2m1_decode", "pack_e2m1", "unpack_e2m1", "e4m3_saturating",
     "swizzle_block_scales", "unswizzle_block_scales", "swizzled_shape", "dequantize",
-    "reference_quant", "reference_mm", "reference_w4a16_mm", "reference_linear", "torch_backend_args",
+    "reference_quant", "reference_mm", "reference_w4a16_mm", "reference_linear", "dynamic_scales",
+    "reference_dynamic_linear", "torch_backend_args",
 ]
 
 # ----------------------------------------------------------------------------
@@ -333,6 +344,22 @@ def check_linear_args(x, b, b_scales, global_scale, alpha, out_dtype, bias) -> N
     V.check_same_device(op, x=x, b=b, b_scales=b_scales, global_scale=global_scale, alpha=alpha, bias=bias)
 
 
+def check_dynamic_linear_args(x, x_amax, b, b_scales, weight_alpha, out_dtype, bias) -> None:
+    """Validate ``nvfp4_dynamic_linear``-schema arguments."""
+    op = "nvfp4_dynamic_linear"
+    V.check_dtype(op, "x", x, V.ACT_DTYPES)
+    V.check_rank(op, "x", x, 2)
+    V.check_inner_stride(op, "x", x)
+    k = x.shape[1]
+    _check_k(op, "x", k, "K = x.shape[1]")
+    V.check_dtype(op, "x_amax", x_amax, torch.float32)
+    V.check_rank(op, "x_amax", x_amax, 1)
+    V.check_contiguous(op, "x_amax", x_amax)
+    _check_weight(op, b, b_scales, k)
+    _check_epilogue(op, "weight_alpha", weight_alpha, out_dtype, bias, b.shape[0])
+    V.check_same_device(op, x=x, x_amax=x_amax, b=b, b_scales=b_scales, weight_alpha=weight_alpha, bias=bias)
+
+
 def mm_output(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The ``[M, N]`` output of both NVFP4 GEMMs."""
     return torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
@@ -491,6 +518,61 @@ def composite_linear(x, b, b_scales, global_scale, alpha, out_dtype=torch.bfloat
     return torch.ops.scaledmm.nvfp4_mm(q, b, s, b_scales, alpha, out_dtype, bias)
 
 
+def dynamic_scales(x_amax: torch.Tensor, weight_alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(global_scale, alpha)`` of ``nvfp4_dynamic_linear``, float32 ``[1]``:
+    ``amax = max(max(x_amax), AMAX_FLOOR)`` (a NaN in ``x_amax`` propagates;
+    empty ``x_amax``: the floor), ``global_scale = RANGE / amax``, ``alpha =
+    weight_alpha / global_scale``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops.nvfp4 import dynamic_scales
+    >>> gs, alpha = dynamic_scales(torch.tensor([1.0, 4.0]), torch.tensor(2.0))
+    >>> gs.item(), alpha.item()
+    (672.0, 0.002976190485060215)
+    """
+    amax = x_amax.new_full((1,), AMAX_FLOOR)
+    if x_amax.numel():
+        amax = torch.maximum(x_amax.amax().reshape(1), amax)
+    gs = amax.new_full((1,), RANGE) / amax
+    return gs, weight_alpha.float().reshape(1) / gs
+
+
+def reference_dynamic_linear(x, x_amax, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None):
+    """``nvfp4_dynamic_linear`` by definition: :func:`dynamic_scales`, then
+    :func:`reference_linear` with them.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops.nvfp4 import reference_dynamic_linear, reference_quant, RANGE
+    >>> qb, sb = reference_quant(torch.ones(8, 32), torch.tensor(RANGE))   # weight amax 1
+    >>> x = torch.ones(2, 32)
+    >>> reference_dynamic_linear(x, x.amax(dim=1), qb, sb, torch.tensor(1 / RANGE))[0, :2].tolist()
+    [32.0, 32.0]
+    """
+    gs, alpha = dynamic_scales(x_amax, weight_alpha)
+    return reference_linear(x, b, b_scales, gs, alpha, out_dtype, bias)
+
+
+def composite_dynamic_linear(x, x_amax, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None):
+    """``nvfp4_dynamic_linear`` as :func:`dynamic_scales` (torch ops) and
+    ``nvfp4_linear`` (selected as if called alone).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops.nvfp4 import composite_dynamic_linear, reference_quant
+    >>> qb, sb = reference_quant(torch.ones(8, 32), torch.tensor(1.0))
+    >>> x = torch.ones(2, 32)
+    >>> composite_dynamic_linear(x, x.amax(dim=1), qb, sb, torch.tensor(1.0)).shape
+    torch.Size([2, 8])
+    """
+    gs, alpha = dynamic_scales(x_amax, weight_alpha)
+    return torch.ops.scaledmm.nvfp4_linear(x, b, b_scales, gs, alpha, out_dtype, bias)
+
+
 # ----------------------------------------------------------------------------
 # Backend "torch": torch._scaled_mm with float4_e2m1fn_x2 (cuBLASLt, sm100 family)
 # ----------------------------------------------------------------------------
@@ -647,6 +729,12 @@ def _linear_impl(x, b, b_scales, global_scale, alpha, out_dtype=torch.bfloat16, 
                x, b, b_scales, global_scale, alpha, out_dtype, bias)
 
 
+def _dynamic_linear_impl(x, x_amax, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None):
+    check_dynamic_linear_args(x, x_amax, b, b_scales, weight_alpha, out_dtype, bias)
+    return run(linear_problem(x, b, out_dtype, bias), "nvfp4_dynamic_linear",
+               x, x_amax, b, b_scales, weight_alpha, out_dtype, bias)
+
+
 def _swizzle_impl(s):
     return swizzle_block_scales(s)
 
@@ -678,6 +766,12 @@ nvfp4_linear = define(
     "Tensor? bias=None) -> Tensor",
     _linear_impl,
 )
+nvfp4_dynamic_linear = define(
+    "nvfp4_dynamic_linear",
+    "(Tensor x, Tensor x_amax, Tensor b, Tensor b_scales, Tensor weight_alpha, ScalarType out_dtype=15, "
+    "Tensor? bias=None) -> Tensor",
+    _dynamic_linear_impl,
+)
 # Layout ops: plain torch on any device, no backend registry.  rows/cols are
 # SymInts so a dynamic M stays symbolic under torch.compile.
 swizzle_block_scales_op = define("swizzle_block_scales", "(Tensor s) -> Tensor", _swizzle_impl)
@@ -700,13 +794,15 @@ backends.register(Backend(
         "nvfp4_mm": _reference_mm_backend,
         "nvfp4_w4a16_mm": _reference_w4a16_backend,
         "nvfp4_linear": reference_linear,
+        "nvfp4_dynamic_linear": reference_dynamic_linear,
     },
     description="plain torch math (decode to float32, float32 matmul); any device",
 ))
 backends.register(Backend(
     FAMILY, "composite",
-    impls={"nvfp4_linear": composite_linear},
-    description="nvfp4_linear as nvfp4_quant + nvfp4_mm, each selected as if called alone",
+    impls={"nvfp4_linear": composite_linear, "nvfp4_dynamic_linear": composite_dynamic_linear},
+    description="nvfp4_linear as nvfp4_quant + nvfp4_mm, each selected as if called alone; "
+                "nvfp4_dynamic_linear as its scales (torch ops) + nvfp4_linear",
 ))
 backends.register(Backend(
     FAMILY, "torch",

@@ -52,6 +52,7 @@ from scaledmm.ops.nvfp4_triton_quant import (  # noqa: F401 - re-exported
     _hw_e4m3,
     quant,
     quant_config_ok,
+    quant_dynamic,
 )
 
 FAMILY = Family.NVFP4
@@ -587,9 +588,27 @@ def w4a16_mm(x, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None):
     return run_w4a16(x, b, b_scales, weight_alpha, out_dtype, bias, cfg)
 
 
+def dynamic_linear(x, x_amax, b, b_scales, weight_alpha, out_dtype=torch.bfloat16, bias=None):
+    """``nvfp4_dynamic_linear``: :func:`quant_dynamic` (the global scale and
+    alpha computed in the quantizer's launch), then ``nvfp4_mm`` as selected.
+
+    Examples
+    --------
+    >>> import torch, scaledmm
+    >>> w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> qb, sb = torch.ops.scaledmm.nvfp4_quant(w, torch.tensor(10.0, device="cuda"))  # doctest: +SKIP
+    >>> x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)    # doctest: +SKIP
+    >>> amax = x.float().abs().amax(dim=1)                              # doctest: +SKIP
+    >>> out = torch.ops.scaledmm.nvfp4_dynamic_linear(x, amax, qb, sb, torch.tensor(0.1, device="cuda"))  # doctest: +SKIP
+    """
+    q, s, alpha = quant_dynamic(x, x_amax, weight_alpha)
+    return torch.ops.scaledmm.nvfp4_mm(q, b, s, b_scales, alpha, out_dtype, bias)
+
+
 backends.register(Backend(
     FAMILY, NAME,
-    impls={"nvfp4_quant": quant, "nvfp4_mm": mm, "nvfp4_w4a16_mm": w4a16_mm},
+    impls={"nvfp4_quant": quant, "nvfp4_mm": mm, "nvfp4_w4a16_mm": w4a16_mm,
+           "nvfp4_dynamic_linear": dynamic_linear},
     is_supported=is_supported,
     can_implement=can_implement,
     description="Triton: exact FP4 decode in registers + fp16/bf16 tensor cores (sm80+, Hopper)",

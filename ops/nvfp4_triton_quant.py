@@ -414,15 +414,32 @@ def _rows_block(ca, cb, gs, rgs, HW_E4M3: tl.constexpr, INPUT: tl.constexpr, COD
     return wa, wb, s_code
 
 
-@triton.jit(do_not_specialize=["M", "s_rows"])
+_RANGE = tl.constexpr(nv.RANGE)            # 448 * 6
+_AMAX_FLOOR = tl.constexpr(nv.AMAX_FLOOR)
+
+
+@triton.jit
+def _dynamic_gs(amax_ptr, n_amax, AMAX_BLOCK: tl.constexpr):
+    """``RANGE / max(max(amax[0:n_amax]), AMAX_FLOOR)`` (NaN propagates), IEEE."""
+    i = tl.arange(0, AMAX_BLOCK)
+    acc = tl.full([AMAX_BLOCK], _AMAX_FLOOR, tl.float32)
+    for j in range(0, n_amax, AMAX_BLOCK):
+        acc = _nanmax(acc, tl.load(amax_ptr + j + i, mask=j + i < n_amax, other=_AMAX_FLOOR))
+    return tl.div_rn(_RANGE, tl.reduce(acc, 0, _nanmax))
+
+
+@triton.jit(do_not_specialize=["M", "s_rows", "n_amax"])
 def _rows_kernel(x_ptr, gs_ptr, q_ptr, s_ptr, M, K, stride_xm, s_rows, s_cols, s_c4,
+                 amax_ptr, n_amax, wa_ptr, alpha_ptr,
                  SWIZZLE: tl.constexpr, HW_E4M3: tl.constexpr,
                  INPUT: tl.constexpr, CODES: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, RPS: tl.constexpr, PREFETCH: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 DYN: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 256, PDL: tl.constexpr = False):
     if PDL:  # scaledmm.device.pdl
         gdc_wait()
         gdc_launch_dependents()
+    # DYN: the global scale from amax values (nvfp4_dynamic_linear); program
+    # (0, 0) also writes the GEMM's alpha = weight_alpha / gs
     # program: BLOCK_M rows x BLOCK_G blocks, RPS rows per step (one thread per
     # block: a warp reads 32 consecutive blocks of a row, 1 KB of bf16); the
     # loads run PREFETCH steps ahead of the math
@@ -445,7 +462,12 @@ def _rows_kernel(x_ptr, gs_ptr, q_ptr, s_ptr, M, K, stride_xm, s_rows, s_cols, s
         s_step = RPS * s_cols
     s_p = s_ptr + s_off.to(tl.int64)
     s_in = groups < s_cols
-    gs = tl.load(gs_ptr).to(tl.float32)
+    if DYN:
+        gs = _dynamic_gs(amax_ptr, n_amax, AMAX_BLOCK)
+        if (pid_m == 0) & (pid_g == 0):
+            tl.store(alpha_ptr, tl.div_rn(tl.load(wa_ptr).to(tl.float32), gs))
+    else:
+        gs = tl.load(gs_ptr).to(tl.float32)
     rgs = tl.div_rn(1.0, gs)
     steps = tl.cdiv(tl.minimum(M - row0, BLOCK_M), RPS)  # steps with data rows (<= 0: none)
     ca, cb = _rows_load(x_p, g_in & (rows < M), INPUT)
@@ -505,21 +527,66 @@ def quant(x: torch.Tensor, global_scale: torch.Tensor, swizzle: bool = True,
     (torch.Size([3, 32]), torch.Size([128, 4]))
     """
     q, s = nv.quant_outputs(x, global_scale, swizzle)
+    _launch(x, global_scale, q, s, swizzle, cfg)
+    return q, s
+
+
+def _launch(x, global_scale, q, s, swizzle, cfg, dynamic=None):
+    """One quantizer launch into ``(q, s)``; ``dynamic`` = ``(x_amax,
+    weight_alpha, alpha)``: the global scale from ``x_amax`` (rows kernels)."""
     m, k = x.shape
     s_rows, s_cols = s.shape
     if s_rows == 0:
-        return q, s
+        return
     cfg = cfg or default_quant_config(m)
     grid = (triton.cdiv(s_rows, cfg.block_m), triton.cdiv(s_cols, cfg.block_g))
     args = (x, global_scale, q, s.view(torch.uint8), m, k, x.stride(0), s_rows, s_cols, s_cols // 4)
     if cfg.variant == "split8":
+        if dynamic is not None:
+            raise ValueError(f"nvfp4 dynamic quantizer: expected a rows_* config, got {cfg.label()}")
         _quant_kernel[grid](*args, SWIZZLE=bool(swizzle), HW_E4M3=_hw_e4m3(x.device),
                             BLOCK_M=cfg.block_m, BLOCK_G=cfg.block_g, num_warps=cfg.num_warps,
                             **triton_pdl(x.device))
     else:
-        _rows_kernel[grid](*args, SWIZZLE=bool(swizzle), HW_E4M3=_hw_e4m3(x.device),
+        amax, wa, alpha = dynamic or (global_scale,) * 3  # unread without DYN
+        _rows_kernel[grid](*args, amax, amax.numel(), wa, alpha, SWIZZLE=bool(swizzle), HW_E4M3=_hw_e4m3(x.device),
                            INPUT=_rows_input(x),
                            CODES=VARIANTS.index(cfg.variant) - 1, BLOCK_M=cfg.block_m,
                            BLOCK_G=cfg.block_g, RPS=cfg.rows_per_step(), PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
-                           enable_fp_fusion=False, **triton_pdl(x.device))
-    return q, s
+                           DYN=dynamic is not None, enable_fp_fusion=False, **triton_pdl(x.device))
+
+
+#: Most amax values each quantizer program reduces itself; more are first
+#: reduced to one by torch (a program re-reads them all: 1 KB here).
+DYNAMIC_MAX_AMAX = 256
+
+
+def quant_dynamic(x: torch.Tensor, x_amax: torch.Tensor, weight_alpha: torch.Tensor, swizzle: bool = True,
+                  cfg: QuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``nvfp4_dynamic_linear``'s quantizer in one launch: ``(q, s, alpha)``,
+    ``x`` quantized with ``gs = RANGE / max(max(x_amax), AMAX_FLOOR)`` (every
+    program reduces ``x_amax`` itself) and float32 ``[1]`` ``alpha =
+    weight_alpha / gs``: bit for bit :func:`~scaledmm.ops.nvfp4.dynamic_scales`
+    then ``nvfp4_quant``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from scaledmm.ops import nvfp4_triton as nt
+    >>> x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)          # doctest: +SKIP
+    >>> amax = x.float().abs().amax(dim=1)                                   # doctest: +SKIP
+    >>> q, s, alpha = nt.quant_dynamic(x, amax, torch.ones(1, device="cuda"))  # doctest: +SKIP
+    >>> q.shape, alpha.shape                                                 # doctest: +SKIP
+    (torch.Size([3, 32]), torch.Size([1]))
+    """
+    if cfg is None or cfg.variant == "split8":
+        cfg = default_quant_config(x.shape[0])
+    if x_amax.numel() > DYNAMIC_MAX_AMAX:
+        x_amax = x_amax.amax().reshape(1)
+    alpha = torch.empty(1, dtype=torch.float32, device=x.device)
+    q, s = nv.quant_outputs(x, alpha, swizzle)
+    if s.shape[0] == 0:  # M = 0: no launch; alpha from the same math
+        alpha.copy_(nv.dynamic_scales(x_amax, weight_alpha)[1])
+        return q, s, alpha
+    _launch(x, alpha, q, s, swizzle, cfg, (x_amax, weight_alpha, alpha))
+    return q, s, alpha

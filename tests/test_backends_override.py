@@ -154,7 +154,8 @@ def test_forcing_a_gemm_only_backend_keeps_every_op_and_layer_running(gemm_only,
         seen = {(op, name) for op, name, _ in calls}
         for op, name in seen:
             assert name == ("t_gemm_only" if op == GEMM_OP[fam] else
-                            "composite" if op in ("fp8_linear", "nvfp4_linear") else "reference"), (op, name, m)
+                            "composite" if op in ("fp8_linear", "nvfp4_linear", "nvfp4_dynamic_linear")
+                            else "reference"), (op, name, m)
     if fam is Family.FP8_BLOCK:  # the layers of the others call the GEMM op directly
         assert {op for op, _ in seen} >= {"per_token_group_quant_fp8", "fp8_block_mm", "fp8_block_linear"}
     if fam is Family.FP8:  # Fp8Linear's op runs as its two ops (composite) on the CPU

@@ -30,6 +30,7 @@ from nvfp4_triton_helpers import (
 )
 
 FP8 = torch.float8_e4m3fn
+RANGE = 448.0 * 6.0
 
 
 # ----------------------------------------------------------------------------
@@ -169,6 +170,57 @@ def test_quant_matches_op_reference():
         q, s = nt.quant(x, gs, True, cfg)
         q2, s2 = nt.nv.reference_quant(x, gs, True)
         assert same_bits(q, q2) and same_bits(s, s2)
+
+
+def _dynamic_ref(x, x_amax, wa, swz):
+    """SPEC's quantizer with the scales of ``nvfp4_dynamic_linear``, computed
+    in float64 and rounded once (the kernel's IEEE divisions)."""
+    amax = max([1e-30] + [float(v) for v in x_amax])
+    amax = float(torch.tensor(amax, dtype=torch.float32))
+    gs = torch.tensor(RANGE / amax, dtype=torch.float64).float()
+    alpha = torch.tensor(float(wa) / float(gs), dtype=torch.float64).float().reshape(1)
+    return spec_quant(x, gs, swz) + (alpha,)
+
+
+@interp
+@pytest.mark.parametrize("cfg", QCFGS + QCFGS_STEPS[:1], ids=lambda c: c.label())
+def test_quant_dynamic_exact(monkeypatch, cfg):
+    """``quant_dynamic``: the global scale from amax vectors of every length
+    (per row, one, 300 values: more than a program reduces itself, reduced
+    first) and alpha = weight_alpha / gs, against a float64 computation and
+    SPEC's quantizer; poisoned outputs, odd shapes, strided rows."""
+    _poison_quant_outputs(monkeypatch)
+    for m, k in ((1, 16), (3, 48), (17, 400), (130, 32)):
+        wide = (torch.randn(m, k + 8) * 3).to(torch.bfloat16)
+        for x in (wide[:, :k], wide[:, 8:]):
+            per_row = x.float().abs().amax(dim=1)
+            for x_amax in (per_row, per_row.amax().reshape(1), torch.cat([torch.rand(300) * 0.1, per_row])):
+                wa = torch.rand(1) * 1e-2
+                q, s, alpha = nt.quant_dynamic(x, x_amax, wa, True, cfg)
+                q_ref, s_ref, a_ref = _dynamic_ref(x, x_amax, wa, True)
+                assert same_bits(q, q_ref) and same_bits(s, s_ref), (m, k, x_amax.numel())
+                assert alpha.shape == (1,) and alpha.dtype == torch.float32 and torch.equal(alpha, a_ref)
+
+
+@interp
+def test_quant_dynamic_floor_nan_and_empty():
+    """All-zero activation: the floor (every code and scale 0); a NaN amax
+    gives NaN scales and alpha; M = 0: no launch, alpha still written;
+    a split8 config is replaced by the rows kernel the dynamic mode needs."""
+    wa = torch.tensor(0.5)
+    x = torch.zeros(4, 32, dtype=torch.bfloat16)
+    q, s, alpha = nt.quant_dynamic(x, torch.zeros(4), wa, False)
+    assert not q.any() and not s.view(torch.uint8).any()
+    assert torch.equal(alpha, _dynamic_ref(x, torch.zeros(4), wa, False)[2]) and torch.isfinite(alpha).all()
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    q, s, alpha = nt.quant_dynamic(x, torch.tensor([1.0, float("nan")]), wa, False)
+    assert torch.isnan(s.float()).all() and alpha.isnan().all()
+    q, s, alpha = nt.quant_dynamic(torch.empty(0, 32, dtype=torch.bfloat16), torch.empty(0), wa)
+    assert q.shape == (0, 16) and s.shape == (0, 4) and torch.equal(alpha, _dynamic_ref(x, [], wa, True)[2])
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    got = nt.quant_dynamic(x, x.float().abs().amax(dim=1), wa, True, nt.QuantConfig(32, 8, 4))
+    want = _dynamic_ref(x, x.float().abs().amax(dim=1), wa, True)
+    assert all(same_bits(a, b) for a, b in zip(got, want))
 
 
 @parent

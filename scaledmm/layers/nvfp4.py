@@ -1,6 +1,8 @@
 """``NvFp4Linear``: NVFP4 linear layer (ModelOpt checkpoint convention) on
-``torch.ops.scaledmm.nvfp4_linear`` (W4A4: ``nvfp4_quant`` + ``nvfp4_mm`` in
-one op) or ``nvfp4_w4a16_mm`` (W4A16)."""
+``torch.ops.scaledmm.nvfp4_linear`` (W4A4, static activation scale:
+``nvfp4_quant`` + ``nvfp4_mm`` in one op), ``nvfp4_dynamic_linear`` (W4A4,
+the activation's global scale from its per-row amax, computed in the op) or
+``nvfp4_w4a16_mm`` (W4A16)."""
 
 from __future__ import annotations
 
@@ -17,12 +19,6 @@ from scaledmm.layers.rows import as_rows, from_rows
 __all__ = ["NvFp4Linear"]
 
 _NAME = "NvFp4Linear"
-# Largest activation / weight magnitude one global scale maps to: e4m3 max
-# block scale times e2m1 max code.
-_RANGE = ops.FP8_MAX * ops.E2M1_MAX
-# Floor of an amax: keeps 448 * 6 / amax finite (an all-zero tensor then gets
-# zero block scales and zero codes instead of inf * 0 = NaN).
-_AMAX_FLOOR = 1e-30
 
 
 def _scalar(name: str, t, device=None) -> torch.Tensor:
@@ -33,14 +29,12 @@ def _scalar(name: str, t, device=None) -> torch.Tensor:
     return t.detach().to(torch.float32).reshape(())
 
 
-def _all_rows_amax(finite: torch.Tensor) -> torch.Tensor:
-    """amax of a non-negative [M, K] tensor as a [1] tensor, 0 for M = 0: the
-    per-row amax (K > 0) padded with one 0.  Inductor inlines the pad into
-    the second reduction (a ``cat`` with a constant would be a kernel of its
-    own per call).  The floor is applied by the caller from a buffer: Python
-    floats would be traced as symbolic floats under dynamic=True and cost a
-    second trace."""
-    return F.pad(finite.amax(dim=1), (0, 1)).amax().reshape(1)
+def finite_row_amax(x2: torch.Tensor) -> torch.Tensor:
+    """float32 ``[M]``: the amax of each row's finite values (NaN and +-Inf
+    count as 0, so they cannot change the other rows' scaling).  Under
+    torch.compile Inductor fuses this reduction into the kernel that produces
+    ``x2`` (a norm, an activation); ``nvfp4_dynamic_linear`` reduces the rows."""
+    return x2.float().abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=1)
 
 
 class NvFp4Linear(QuantizedLinearBase):
@@ -76,7 +70,10 @@ class NvFp4Linear(QuantizedLinearBase):
     With ``dynamic_input_scale=True`` (what :meth:`from_float` gives without
     ``input_amax``, and :meth:`from_checkpoint` without ``input_scale``) the
     activation's global scale is computed per call from the amax of its
-    finite values, on the device (no host sync): ``448 * 6 / amax``.
+    finite values, on the device (no host sync): ``448 * 6 / amax``.  The
+    forward reduces each row's amax (fused into the activation's producer
+    under torch.compile) and ``nvfp4_dynamic_linear`` takes the rest: the max
+    over the rows, the global scale and alpha, inside its quantizer on a GPU.
 
     Parameters
     ----------
@@ -105,7 +102,7 @@ class NvFp4Linear(QuantizedLinearBase):
     N_MULTIPLE = 32
     K_MULTIPLE = 64
     _CODE_TENSORS = ("weight", "weight_scale")
-    _DERIVED = ("_global_scale", "_alpha", "_weight_alpha", "_amax_floor", "_range")
+    _DERIVED = ("_global_scale", "_alpha", "_weight_alpha")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None,
                  out_dtype: torch.dtype = torch.bfloat16, use_w4a16: bool = False,
@@ -161,12 +158,12 @@ class NvFp4Linear(QuantizedLinearBase):
         """
         w = linear.weight.detach()
         wf = w.float()
-        amax = wf.abs().amax().clamp(min=_AMAX_FLOOR)
-        scale_2 = amax / _RANGE
+        amax = wf.abs().amax().clamp(min=ops.AMAX_FLOOR)
+        scale_2 = amax / ops.RANGE
         q, s = torch.ops.scaledmm.nvfp4_quant(wf, (1.0 / scale_2).reshape(1), False)
         tensors = {"weight": q, "weight_scale": s, "weight_scale_2": scale_2}
         if input_amax is not None:
-            tensors["input_scale"] = _scalar("input_amax", input_amax, w.device) / _RANGE
+            tensors["input_scale"] = _scalar("input_amax", input_amax, w.device) / ops.RANGE
         if linear.bias is not None:
             tensors["bias"] = linear.bias.detach()
         return cls.from_checkpoint(tensors, out_dtype=out_dtype, use_w4a16=use_w4a16)
@@ -235,8 +232,7 @@ class NvFp4Linear(QuantizedLinearBase):
         (in place, so addresses captured by a CUDA graph stay valid)."""
         scale_2 = self.weight_scale_2.detach().float().reshape(1)
         in_scale = self.input_scale.detach().float().reshape(1)
-        values = {"_global_scale": 1.0 / in_scale, "_alpha": in_scale * scale_2, "_weight_alpha": scale_2,
-                  "_amax_floor": torch.full_like(scale_2, _AMAX_FLOOR), "_range": torch.full_like(scale_2, _RANGE)}
+        values = {"_global_scale": 1.0 / in_scale, "_alpha": in_scale * scale_2, "_weight_alpha": scale_2}
         device = self.weight.device
         for name, value in values.items():
             buf = self._buffers[name]
@@ -246,14 +242,6 @@ class NvFp4Linear(QuantizedLinearBase):
                 self._buffers[name] = value.to(device=device, dtype=torch.float32, copy=True)
 
     # ------------------------------------------------------------------ forward
-
-    def _dynamic_scales(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-call (global_scale, alpha) from the amax of the finite values of x
-        (NaN/Inf must not change the other rows' scaling)."""
-        finite = x2.float().abs().nan_to_num(nan=0.0, posinf=0.0)
-        amax = torch.maximum(_all_rows_amax(finite), self._amax_floor)
-        gs = self._range / amax
-        return gs, self._weight_alpha / gs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._processed:
@@ -270,13 +258,12 @@ class NvFp4Linear(QuantizedLinearBase):
                 x2 = x2.to(self.out_dtype if self.out_dtype in V.HALF_DTYPES else torch.bfloat16)
             out = torch.ops.scaledmm.nvfp4_w4a16_mm(x2, self.weight, self.weight_scale, self._weight_alpha,
                                                     self.out_dtype, self.bias)
+        elif self.dynamic_input_scale:
+            out = torch.ops.scaledmm.nvfp4_dynamic_linear(x2, finite_row_amax(x2), self.weight, self.weight_scale,
+                                                          self._weight_alpha, self.out_dtype, self.bias)
         else:
-            if self.dynamic_input_scale:
-                gs, alpha = self._dynamic_scales(x2)
-            else:
-                gs, alpha = self._global_scale, self._alpha
-            out = torch.ops.scaledmm.nvfp4_linear(x2, self.weight, self.weight_scale, gs, alpha, self.out_dtype,
-                                                  self.bias)
+            out = torch.ops.scaledmm.nvfp4_linear(x2, self.weight, self.weight_scale, self._global_scale,
+                                                  self._alpha, self.out_dtype, self.bias)
         if self._n_pad != n:
             out = out[:, :n]
         return from_rows(out, x)

@@ -36,7 +36,7 @@ from torch import nn
 from scaledmm import validation as V
 from scaledmm.layers.fp8 import Fp8Linear
 from scaledmm.layers.fp8_block import Fp8BlockLinear
-from scaledmm.layers.nvfp4 import NvFp4Linear, _all_rows_amax
+from scaledmm.layers.nvfp4 import NvFp4Linear, finite_row_amax
 from scaledmm.layers._state import checkpoint_entries
 from scaledmm.layers.rows import as_rows
 
@@ -494,15 +494,14 @@ class RowParallelLinear(_ParallelLinear):
         return out[:, :inner.out_features]
 
     def _nvfp4_dynamic(self, x2: torch.Tensor) -> torch.Tensor:
-        # Mirrors NvFp4Linear._dynamic_scales + forward, amax over all ranks.
+        # NvFp4Linear's dynamic forward with the amax over all ranks (the op
+        # floors it): every rank quantizes with the same global scale.
         inner = self.inner
         if inner._k_pad != inner.in_features:
             x2 = F.pad(x2, (0, inner._k_pad - inner.in_features))
-        finite = x2.float().abs().nan_to_num(nan=0.0, posinf=0.0)
-        amax = self._global_max(torch.maximum(_all_rows_amax(finite), inner._amax_floor))
-        gs = inner._range / amax
-        alpha = inner._weight_alpha / gs
-        out = torch.ops.scaledmm.nvfp4_linear(x2, inner.weight, inner.weight_scale, gs, alpha, inner.out_dtype, None)
+        amax = self._global_max(F.pad(finite_row_amax(x2), (0, 1)).amax().reshape(1))  # 0 for M = 0
+        out = torch.ops.scaledmm.nvfp4_dynamic_linear(x2, amax, inner.weight, inner.weight_scale,
+                                                      inner._weight_alpha, inner.out_dtype, None)
         return out[:, :inner.out_features]
 
     def extra_repr(self) -> str:
