@@ -330,15 +330,19 @@ def check_w4a16_args(op: str, x, b, b_scales, weight_alpha, out_dtype, bias) -> 
     V.check_same_device(op, x=x, b=b, b_scales=b_scales, weight_alpha=weight_alpha, bias=bias)
 
 
-def check_linear_args(x, b, b_scales, global_scale, alpha, out_dtype, bias) -> None:
-    """Validate ``nvfp4_linear``-schema arguments."""
-    op = "nvfp4_linear"
+def _check_linear_x(op: str, x: torch.Tensor) -> int:
+    """The unquantized activation of the linear ops; returns its K."""
     V.check_dtype(op, "x", x, V.ACT_DTYPES)
     V.check_rank(op, "x", x, 2)
     V.check_inner_stride(op, "x", x)
-    k = x.shape[1]
-    _check_k(op, "x", k, "K = x.shape[1]")
-    _check_weight(op, b, b_scales, k)
+    _check_k(op, "x", x.shape[1], "K = x.shape[1]")
+    return x.shape[1]
+
+
+def check_linear_args(x, b, b_scales, global_scale, alpha, out_dtype, bias) -> None:
+    """Validate ``nvfp4_linear``-schema arguments."""
+    op = "nvfp4_linear"
+    _check_weight(op, b, b_scales, _check_linear_x(op, x))
     V.check_scalar_like(op, "global_scale", global_scale)
     _check_epilogue(op, "alpha", alpha, out_dtype, bias, b.shape[0])
     V.check_same_device(op, x=x, b=b, b_scales=b_scales, global_scale=global_scale, alpha=alpha, bias=bias)
@@ -347,11 +351,7 @@ def check_linear_args(x, b, b_scales, global_scale, alpha, out_dtype, bias) -> N
 def check_dynamic_linear_args(x, x_amax, b, b_scales, weight_alpha, out_dtype, bias) -> None:
     """Validate ``nvfp4_dynamic_linear``-schema arguments."""
     op = "nvfp4_dynamic_linear"
-    V.check_dtype(op, "x", x, V.ACT_DTYPES)
-    V.check_rank(op, "x", x, 2)
-    V.check_inner_stride(op, "x", x)
-    k = x.shape[1]
-    _check_k(op, "x", k, "K = x.shape[1]")
+    k = _check_linear_x(op, x)
     V.check_dtype(op, "x_amax", x_amax, torch.float32)
     V.check_rank(op, "x_amax", x_amax, 1)
     V.check_contiguous(op, "x_amax", x_amax)

@@ -434,7 +434,7 @@ def _rows_kernel(x_ptr, gs_ptr, q_ptr, s_ptr, M, K, stride_xm, s_rows, s_cols, s
                  SWIZZLE: tl.constexpr, HW_E4M3: tl.constexpr,
                  INPUT: tl.constexpr, CODES: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, RPS: tl.constexpr, PREFETCH: tl.constexpr,
-                 DYN: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 256, PDL: tl.constexpr = False):
+                 DYN: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 1, PDL: tl.constexpr = False):
     if PDL:  # scaledmm.device.pdl
         gdc_wait()
         gdc_launch_dependents()
@@ -553,7 +553,14 @@ def _launch(x, global_scale, q, s, swizzle, cfg, dynamic=None):
                            INPUT=_rows_input(x),
                            CODES=VARIANTS.index(cfg.variant) - 1, BLOCK_M=cfg.block_m,
                            BLOCK_G=cfg.block_g, RPS=cfg.rows_per_step(), PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
-                           DYN=dynamic is not None, enable_fp_fusion=False, **triton_pdl(x.device))
+                           DYN=dynamic is not None, AMAX_BLOCK=_amax_block(amax.numel()), enable_fp_fusion=False,
+                           **triton_pdl(x.device))
+
+
+def _amax_block(n: int) -> int:
+    """Lanes of the dynamic scale's reduction: the next power of two of ``n``
+    up to ``DYNAMIC_MAX_AMAX`` (at decode, one value needs no cross-warp sum)."""
+    return min(triton.next_power_of_2(max(n, 1)), DYNAMIC_MAX_AMAX)
 
 
 #: Most amax values each quantizer program reduces itself; more are first

@@ -35,6 +35,21 @@ def opcheck(op, args, kwargs=None):
         torch.library.opcheck(op, args, kwargs)
 
 
+def check_rejected_alike(call, args: dict, op: str, arg: str) -> None:
+    """``call(args)`` raises ``ValueError("<op>: <arg>: expected ...")``, and
+    the same call on FakeTensors (the fake impl) raises the same message."""
+    import pytest
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with pytest.raises(ValueError, match=rf"^{op}: {arg}: expected") as real:
+        call(args)
+    mode = FakeTensorMode()
+    fake = {key: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for key, v in args.items()}
+    with mode, pytest.raises(ValueError) as from_fake:
+        call(fake)
+    assert str(from_fake.value) == str(real.value)
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill with NaN (floating) or 0xFF bytes so unwritten elements show."""
     if t.dtype.is_floating_point and t.dtype.itemsize >= 2:
