@@ -530,7 +530,7 @@ def dynamic_scales(x_amax: torch.Tensor, weight_alpha: torch.Tensor) -> tuple[to
     >>> from scaledmm.ops.nvfp4 import dynamic_scales
     >>> gs, alpha = dynamic_scales(torch.tensor([1.0, 4.0]), torch.tensor(2.0))
     >>> gs.item(), alpha.item()
-    (672.0, 0.002976190485060215)
+    (672.0, 0.0029761905316263437)
     """
     amax = x_amax.new_full((1,), AMAX_FLOOR)
     if x_amax.numel():
