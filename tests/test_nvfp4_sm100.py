@@ -34,6 +34,7 @@ def test_backends_registered_with_op_signatures():
         "nvfp4_mm": ["a", "b", "a_scales", "b_scales", "alpha", "out_dtype", "bias"],
         "nvfp4_w4a16_mm": ["x", "b", "b_scales", "weight_alpha", "out_dtype", "bias"],
         "nvfp4_linear": ["x", "b", "b_scales", "global_scale", "alpha", "out_dtype", "bias"],
+        "nvfp4_dynamic_linear": ["x", "x_amax", "b", "b_scales", "weight_alpha", "out_dtype", "bias"],
     }
     for op_name, args in schema_args.items():
         assert [a.name for a in getattr(ops, op_name).default._schema.arguments] == args
