@@ -148,6 +148,8 @@ OP_CASES = {
     "nvfp4_mm": "nvfp4_mm",
     "nvfp4_w4a16_mm": "nvfp4_w4a16_mm",
     "nvfp4_linear": "nvfp4_linear",
+    "nvfp4_dynamic_linear_m1": "nvfp4_dynamic_linear",
+    "nvfp4_dynamic_linear_m5_one_amax": "nvfp4_dynamic_linear",
     "dsv3_fused_a_gemm": "dsv3_fused_a_gemm",
     "dsv3_fused_a_gemm_pdl_strided": "dsv3_fused_a_gemm",
     "dynamic_skinny_linear_m5": "dynamic_skinny_linear",
@@ -201,6 +203,13 @@ def op_cases():
                      lambda: ops.nvfp4_quant(_x(5), gs, True)),
         "nvfp4_w4a16_mm": (lambda x: ops.nvfp4_w4a16_mm(x, qw, sw, alpha_w, BF16, bias), lambda: (_x(5),)),
         "nvfp4_linear": (lambda x: ops.nvfp4_linear(x, qw, sw, gs, alpha, BF16, bias), lambda: (_x(1),)),
+        # the scales computed in the op on every replay: per-row amax, then one all-rows amax
+        "nvfp4_dynamic_linear_m1": (
+            lambda x: ops.nvfp4_dynamic_linear(x, x.float().abs().amax(dim=1), qw, sw, alpha_w, BF16, bias),
+            lambda: (_x(1),)),
+        "nvfp4_dynamic_linear_m5_one_amax": (
+            lambda x: ops.nvfp4_dynamic_linear(x, x.float().abs().amax().reshape(1), qw, sw, alpha_w, BF16, None),
+            lambda: (_x(5),)),
         # skinny
         "dsv3_fused_a_gemm": (lambda x: ops.dsv3_fused_a_gemm(x, wb), lambda: (_x(5),)),
         "dsv3_fused_a_gemm_pdl_strided": (lambda x: ops.dsv3_fused_a_gemm(x, wb, True),
