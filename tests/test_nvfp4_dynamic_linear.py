@@ -30,6 +30,7 @@ from nvfp4_helpers import check_gemm, mm_ref64
 import scaledmm
 from scaledmm import backends
 from scaledmm.ops import nvfp4 as nv
+from scaledmm.ops import nvfp4_triton as nt
 
 ops = torch.ops.scaledmm
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -96,9 +97,7 @@ def test_dynamic_scales_against_float64():
         a = torch.rand(n) * 10.0 ** torch.randint(-6, 6, (n,)).float()
         wa = torch.rand(1) * 1e-3
         gs, alpha = nv.dynamic_scales(a, wa)
-        amax = max(float(a.max()) if n else 0.0, 1e-30)
-        floor32 = float(torch.tensor(1e-30))
-        amax = max(amax, floor32)
+        amax = max(float(a.max()) if n else 0.0, float(torch.tensor(1e-30)))  # the floor as float32
         assert gs.shape == (1,) and gs.dtype == F32 and alpha.shape == (1,) and alpha.dtype == F32
         assert gs.item() == float(torch.tensor(RANGE / amax, dtype=torch.float64).float())
         assert alpha.item() == float(torch.tensor(float(wa) / gs.item(), dtype=torch.float64).float())
@@ -327,12 +326,6 @@ def test_hypothesis_op_is_scales_then_linear(m, n, k16, pad, scale, with_bias, s
 # ----------------------------------------------------------------------------
 
 
-def _gpu_definition(x, x_amax, b, sb, wa, out_dtype, bias):
-    """On the GPU: the scales by torch, then ``nvfp4_linear`` as selected."""
-    gs, alpha = nv.dynamic_scales(x_amax, wa)
-    return ops.nvfp4_linear(x, b, sb, gs, alpha, out_dtype, bias)
-
-
 @requires_sm90
 @pytest.mark.parametrize("x_dtype", [BF16, F16], ids=str)
 @pytest.mark.parametrize("n,k", [(200, 736), (4096, 4096), (6144, 4096)])
@@ -347,11 +340,10 @@ def test_gpu_equals_the_definition_bit_for_bit(m, n, k, x_dtype):
         with backends.record() as calls:
             got = ops.nvfp4_dynamic_linear(x, x_amax, b, sb, wa, BF16, bias)
         assert calls[0][:2] == ("nvfp4_dynamic_linear", "triton"), calls[0][:2]
-        want = _gpu_definition(x, x_amax, b, sb, wa, BF16, bias)
+        want = _definition(x, x_amax, b, sb, wa, BF16, bias)  # torch scales on the GPU
         _assert_same(got, want, f"amax={kind}")
         if m:  # the quantized activation is the CPU reference's
             gs, alpha = nv.dynamic_scales(x_amax.cpu(), wa.cpu())
-            from scaledmm.ops import nvfp4_triton as nt
             q, s, a = nt.quant_dynamic(x, x_amax, wa)
             rq, rs = nv.reference_quant(x.cpu(), gs, True)
             assert torch.equal(q.cpu(), rq) and torch.equal(s.cpu().view(torch.uint8), rs.view(torch.uint8))
