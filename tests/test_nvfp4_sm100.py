@@ -14,6 +14,7 @@ import torch
 import scaledmm  # noqa: F401  (registers the ops)
 from scaledmm import backends
 from scaledmm.ops import nvfp4 as N
+from scaledmm.ops import nvfp4_sm100 as S
 
 from nvfp4_helpers import quantized
 
@@ -55,7 +56,7 @@ def test_torch_backend_args_are_views(m, pad):
     b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
     sa = torch.zeros(N.swizzled_shape(m, k // 16), dtype=E4M3)
     sb = torch.zeros(N.swizzled_shape(n, k // 16), dtype=E4M3)
-    args, kwargs = N.torch_backend_args(a, b, sa, sb)
+    args, kwargs = S.torch_backend_args(a, b, sa, sb)
     a4, b4, s_a, s_b = args
     assert kwargs == {"out_dtype": torch.float32}
     assert a4.dtype == torch.float4_e2m1fn_x2 and a4.shape == (m, k // 2) and a4.stride() == a.stride()
@@ -66,7 +67,7 @@ def test_torch_backend_args_are_views(m, pad):
         assert view.data_ptr() == src.data_ptr(), "argument preparation must not copy"
     # torch's own shape/layout checks for _scaled_mm (the meta kernel applies the CUDA rules)
     metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (a, b, sa, sb)]
-    margs, mkw = N.torch_backend_args(*metas)
+    margs, mkw = S.torch_backend_args(*metas)
     out = torch._scaled_mm(*margs, **mkw)
     assert out.shape == (m, n) and out.dtype == torch.float32
     with pytest.raises(RuntimeError):  # the same check rejects scales of the wrong size
@@ -92,7 +93,7 @@ def test_torch_backend_epilogue_with_emulated_scaled_mm(monkeypatch):
     alpha = (1 / ga) * (1 / gb)
     bias = torch.randn(n, dtype=torch.bfloat16)
     for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
-        got = N.torch_mm(a, b, sa, sb, alpha, out_dtype, bias)
+        got = S.torch_mm(a, b, sa, sb, alpha, out_dtype, bias)
         exp = N.reference_mm(a, b, sa, sb, alpha, out_dtype, bias)
         assert got.dtype == out_dtype and torch.equal(got, exp)
 
@@ -198,8 +199,8 @@ def test_flashinfer_backend_call_with_emulated_mm_fp4(monkeypatch):
     _, b, sb, gb = quantized(n, k)
     alpha = (1 / ga) * (1 / gb)
     bias = torch.randn(n, dtype=torch.bfloat16)
-    got = N.flashinfer_cutedsl_mm(a, b, sa, sb, alpha, torch.bfloat16, bias)
+    got = S.flashinfer_cutedsl_mm(a, b, sa, sb, alpha, torch.bfloat16, bias)
     exp = N.reference_mm(a, b, sa, sb, alpha, torch.float32)
     assert calls == ["cute-dsl"]
     assert torch.equal(got, (exp.bfloat16().float() + bias.float()).bfloat16())
-    assert N.flashinfer_cutedsl_mm(a[:0], b, sa[:0], sb, alpha, torch.float16, None).shape == (0, n)
+    assert S.flashinfer_cutedsl_mm(a[:0], b, sa[:0], sb, alpha, torch.float16, None).shape == (0, n)
