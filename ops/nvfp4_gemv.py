@@ -252,7 +252,7 @@ def config_valid(cfg: GemvConfig, n: int, k: int, m_bucket: int, w4a16: bool = F
     if quant:
         if w4a16:
             return False, "quant quantizes to e2m1 (W4A4): it excludes w4a16"
-        if getattr(cfg, "stages", 0):
+        if cfg.stages:
             return False, f"quant needs the shared memory a ring takes: expected stages 0, got {cfg.stages}"
         if m_bucket > MAX_M_LINEAR:
             return False, f"m_bucket {m_bucket} is over the nvfp4_linear limit {MAX_M_LINEAR}"
