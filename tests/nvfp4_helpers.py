@@ -228,3 +228,14 @@ def check_f64_bound(out, xd, wd, alpha, bias=None):
     assert torch.isfinite(out).all(), "non-finite output (unwritten poison?)"
     err = (out.double() - ref).abs()
     assert (err <= bound).all(), f"worst {float((err / bound).max()):.2f}x the bound"
+
+
+#: ``(m, n, k, x_dtype, out_dtype, bias_dtype, pad)`` of the linear ops'
+#: opcheck cases: M = 0 / 1 / 3 / 17, every activation and output dtype, a
+#: bias of each kind, strided rows.
+LINEAR_OPCHECK_CASES = [
+    (0, 40, 96, torch.bfloat16, torch.bfloat16, None, 0),
+    (1, 200, 736, torch.float16, torch.float16, torch.bfloat16, 0),
+    (3, 24, 64, torch.float32, torch.float32, torch.float32, 16),
+    (17, 200, 736, torch.bfloat16, torch.bfloat16, torch.float32, 24),
+]

@@ -25,7 +25,7 @@ import torch
 from helpers import check_rejected_alike, opcheck
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nvfp4_helpers import check_gemm, mm_ref64
+from nvfp4_helpers import LINEAR_OPCHECK_CASES, check_gemm, mm_ref64
 
 import scaledmm
 from scaledmm import backends
@@ -234,12 +234,7 @@ def test_fake_and_meta_shapes():
 
 def _opcheck_sets():
     sets = []
-    for m, n, k, x_dtype, out_dtype, bias_dtype, pad in [
-        (0, 40, 96, BF16, BF16, None, 0),
-        (1, 200, 736, F16, F16, BF16, 0),
-        (3, 24, 64, F32, F32, F32, 16),
-        (17, 200, 736, BF16, BF16, F32, 24),
-    ]:
+    for m, n, k, x_dtype, out_dtype, bias_dtype, pad in LINEAR_OPCHECK_CASES:
         b, sb, wa = _weight(n, k)
         x = _activation(m, k, x_dtype, pad=pad)
         bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)

@@ -28,7 +28,7 @@ import torch
 from helpers import check_rejected_alike, opcheck
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nvfp4_helpers import check_f64_bound, check_gemm, deq64, gs_for, mm_ref64
+from nvfp4_helpers import LINEAR_OPCHECK_CASES, check_f64_bound, check_gemm, deq64, gs_for, mm_ref64
 
 import scaledmm
 from scaledmm import backends
@@ -242,12 +242,7 @@ def test_fake_and_meta_shapes():
 
 def _opcheck_sets():
     sets = []
-    for m, n, k, x_dtype, out_dtype, bias_dtype, pad in [
-        (0, 40, 96, BF16, BF16, None, 0),
-        (1, 200, 736, F16, F16, BF16, 0),
-        (3, 24, 64, F32, F32, F32, 16),
-        (17, 200, 736, BF16, BF16, F32, 24),
-    ]:
+    for m, n, k, x_dtype, out_dtype, bias_dtype, pad in LINEAR_OPCHECK_CASES:
         b, sb, gsw = _weight(n, k)
         x = _activation(m, k, x_dtype, pad=pad)
         gs = gs_for(x) if m else _static_gs()
