@@ -487,8 +487,8 @@ if INNER == "interpret":
         for m in (1, 16, 17, 64, 65, 512):
             for n, k in ((2112, 7168), (576, 7168), (7168, 16384), (4096, 7168)):
                 d = T.default_config(m, n, k)
-                # H200 (session 3): one launch wins at M <= 16 whenever split-K is on,
-                # and for the measured 7168x16384 M <= 64 entry; loses elsewhere.
+                # H200 (benchmarks/NOTES.md, "FP8 block Triton"): one launch wins at M <= 16
+                # whenever split-K is on, and for the measured 7168x16384 M <= 64 entry.
                 want = d.split_k > 1 and (m <= 16 or (m <= 64 and (n, k) == (7168, 16384)))
                 assert d.one_launch == want, (m, n, k, d.short())
                 cands = T.candidate_configs(m, n, k)
