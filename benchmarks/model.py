@@ -239,9 +239,10 @@ def add_arguments(parser) -> None:
     g.add_argument("--gen-reps", type=int, default=None, help="timed generate pairs per format (default 5, --quick 3)")
     g.add_argument("--compile", choices=("inductor", "aot_eager", "off"), default=None,
                    help="how layers and the decode step are compiled (default: inductor on a GPU, off on the CPU)")
-    g.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=True,
                    help="Inductor's own kernels with programmatic dependent launch (triton.enable_pdl, as "
-                        "scaledmm.compile.options(pdl=True) sets it), for every format and bf16 alike (default off)")
+                        "scaledmm.compile.options() sets it), for every format and bf16 alike (default on; "
+                        "--no-inductor-pdl: off)")
 
 
 def _parse_list(spec: str, valid: Sequence[str], option: str) -> list[str]:

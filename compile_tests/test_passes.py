@@ -27,13 +27,14 @@ def test_uuid_is_stable():
     assert isinstance(sc.passes().uuid(), (str, bytes))
 
 
-def test_options_carry_the_pass_and_pdl_only_when_asked():
+def test_options_carry_the_pass_and_pdl_unless_turned_off():
     import torch._inductor.config as inductor_config
 
     opts = sc.options()
-    assert list(opts) == ["post_grad_custom_post_pass"]
+    assert list(opts) == ["post_grad_custom_post_pass", "triton.enable_pdl"]
     assert opts["post_grad_custom_post_pass"].uuid() == sc.passes().uuid()
-    assert sc.options(pdl=True)["triton.enable_pdl"] is True
+    assert opts["triton.enable_pdl"] is True and sc.options(pdl=True)["triton.enable_pdl"] is True
+    assert list(sc.options(pdl=False)) == ["post_grad_custom_post_pass"]
     # torch.compile takes them as they are, and the PDL switch holds for that compile only
     before = inductor_config.triton.enable_pdl
     torch._dynamo.reset()
@@ -41,7 +42,8 @@ def test_options_carry_the_pass_and_pdl_only_when_asked():
     x = torch.randn(3, 640, dtype=torch.bfloat16)
     cm = torch.compile(m, fullgraph=True, options=sc.options(pdl=True))
     with torch.no_grad():
-        torch.testing.assert_close(cm(x), torch.compile(m, fullgraph=True, options=sc.options())(x), rtol=0, atol=0)
+        torch.testing.assert_close(cm(x), torch.compile(m, fullgraph=True, options=sc.options(pdl=False))(x),
+                                   rtol=0, atol=0)
     assert inductor_config.triton.enable_pdl == before
 
 

@@ -5,12 +5,13 @@ Use it as::
 
     model = torch.compile(model, dynamic=True, options=scaledmm.compile.options())
 
-which is ``{"post_grad_custom_post_pass": scaledmm.compile.passes()}``.  On
+which is ``{"post_grad_custom_post_pass": scaledmm.compile.passes(),
+"triton.enable_pdl": True}``.  On
 sm90 and newer our kernels launch with programmatic dependent launch
-(``scaledmm.device.pdl``); ``options(pdl=True)`` also turns on Inductor's
+(``scaledmm.device.pdl``); ``options()`` also turns on Inductor's
 (``triton.enable_pdl``), so its kernels and ours overlap their launches:
-a graph compiled for decode batches gains by it, one for hundreds of rows
-loses (benchmarks/RESULTS.md, "PDL").
+3-5 us a Llama-3-8B layer at decode; ``options(pdl=False)`` leaves it off
+(benchmarks/RESULTS.md, "Inductor's PDL by default").
 
 It rewrites, in this order:
 
@@ -378,24 +379,27 @@ def passes() -> ScaledMMPass:
     return ScaledMMPass()
 
 
-def options(pdl: bool = False) -> dict[str, Any]:
+def options(pdl: bool = True) -> dict[str, Any]:
     """``torch.compile`` options for models that use scaledmm ops: the pass
-    (:func:`passes`) and, with ``pdl``, Inductor's programmatic dependent
-    launch (``triton.enable_pdl``; ignored below sm90).
+    (:func:`passes`) and, with ``pdl`` (the default), Inductor's programmatic
+    dependent launch (``triton.enable_pdl``; ignored below sm90), so that
+    Inductor's kernels and ours overlap their launches.
 
-    ``pdl=True`` suits graphs that run decode batches (M up to about 8),
-    where every kernel's launch and ramp are a large share of its time.  On
-    the H200's Llama-3-8B layer it moved NVFP4 at M = 1 from 72.4 to 68.1 us
-    and FP8 per-channel from 83.1 to 78.6, but FP8 at M = 512 from 218 to
-    249 us: leave it off for graphs that serve large batches.
+    On the H200's Llama-3-8B layer (``benchmarks model``, every format and
+    bf16 compiled alike, one run each way) it saves 3-5 us a layer at M = 1
+    and 8 in every format (FP8 per-channel 82.5 -> 77.7 us at M = 1, NVFP4
+    W4A16 68.3 -> 63.5) and changes M = 64 by -4..+1 us; at M = 512 and
+    4096 it moves the layer by -5%..+6% by format (fp8_block loses 4% at
+    M = 512; benchmarks/RESULTS.md, "Inductor's PDL by default").  Pass
+    ``pdl=False`` for a graph that only ever runs large batches.
 
     Examples
     --------
     >>> import torch, scaledmm
     >>> sorted(scaledmm.compile.options())
+    ['post_grad_custom_post_pass', 'triton.enable_pdl']
+    >>> sorted(scaledmm.compile.options(pdl=False))
     ['post_grad_custom_post_pass']
-    >>> scaledmm.compile.options(pdl=True)["triton.enable_pdl"]
-    True
     >>> f = torch.compile(lambda x: x + 1, options=scaledmm.compile.options())
     """
     opts: dict[str, Any] = {"post_grad_custom_post_pass": passes()}

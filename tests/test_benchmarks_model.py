@@ -223,7 +223,8 @@ def test_compiled_layer_traces_as_one_graph():
 def test_model_options_parse():
     args = cli.build_parser().parse_args(["model", "--quick"])
     assert args.family == "model" and args.generate is None and args.formats is None and args.compile is None
-    assert args.inductor_pdl is False and cli.build_parser().parse_args(["model", "--inductor-pdl"]).inductor_pdl
+    assert args.inductor_pdl is True
+    assert cli.build_parser().parse_args(["model", "--no-inductor-pdl"]).inductor_pdl is False
     args = cli.build_parser().parse_args(["model", "--no-generate", "--formats", "nvfp4", "--gen-batch", "1,8"])
     assert args.generate is False and model.parse_batches(args.gen_batch) == [1, 8]
     assert model.parse_formats(None) == list(model.FORMATS)

@@ -12,10 +12,10 @@ and count.  The layer's ``benchmarks model`` time (graph replay, cold L2)
 minus this sum is what the launches between kernels cost inside the graph;
 the kernel list says which ops the format adds (quantizers, pads, casts).
 Warm L2: the weights of one layer copy are re-read every call, so the big
-GEMMs read less from HBM than in the cold-L2 table.  ``--inductor-pdl``
-compiles with Inductor's PDL (``scaledmm.compile.options(pdl=True)``): a
-kernel's duration then includes the time its early-launched CTAs wait, and
-a kernel that overlaps waiting successors shows what they cost it.  Writes
+GEMMs read less from HBM than in the cold-L2 table.  Inductor's PDL is on
+as in ``benchmarks model`` (``--no-inductor-pdl``: off): a kernel's
+duration then includes the time its early-launched CTAs wait, and a kernel
+that overlaps waiting successors shows what they cost it.  Writes
 ``layer_profile.json`` to ``$OUT`` when set.
 """
 
@@ -81,7 +81,8 @@ def main() -> None:
     p.add_argument("--formats", default="nvfp4,nvfp4_w4a16")
     p.add_argument("--m", default="1,8,64")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--inductor-pdl", action="store_true", help="Inductor's PDL on (triton.enable_pdl)")
+    p.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=True,
+                   help="Inductor's PDL (triton.enable_pdl), on by default as in benchmarks model")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ms = [int(v) for v in args.m.split(",")]
