@@ -389,7 +389,7 @@ def options(pdl: bool = True) -> dict[str, Any]:
     bf16 compiled alike, one run each way) it saves 3-5 us a layer at M = 1
     and 8 in every format (FP8 per-channel 82.5 -> 77.7 us at M = 1, NVFP4
     W4A16 68.3 -> 63.5) and changes M = 64 by -4..+1 us; at M = 512 and
-    4096 it moves the layer by -5%..+6% by format (fp8_block loses 4% at
+    4096 it moves the layer by -5%..+7% by format (fp8_block loses 4% at
     M = 512; benchmarks/RESULTS.md, "Inductor's PDL by default").  Pass
     ``pdl=False`` for a graph that only ever runs large batches.
 

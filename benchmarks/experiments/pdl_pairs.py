@@ -1,6 +1,7 @@
 """What a programmatic-dependent-launch successor costs a cuBLAS GEMM: the
-question behind Inductor's PDL (``triton.enable_pdl``) losing 10-30 us a
-Llama-3-8B layer at M = 512 while it wins 4-7 us at M = 1-8.
+question behind Inductor's PDL (``triton.enable_pdl``) moving the
+Llama-3-8B layer both ways at M = 512-4096 while it saves 3-5 us at M = 1-8
+(benchmarks/RESULTS.md, "Inductor's PDL by default").
 
     python -m benchmarks.experiments.pdl_pairs
 
@@ -58,7 +59,7 @@ def _next(out: torch.Tensor, dst: torch.Tensor, pdl: bool) -> None:
 
 
 def _gemms(m: int, n: int, k: int, copies: int, dev: torch.device):
-    """name -> (weight copies, f(x, w) -> out)."""
+    """name -> (weight copies, gemm(w) -> out), one activation of M rows."""
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
     xq = x.to(torch.float8_e4m3fn)
