@@ -10,7 +10,7 @@ which is ``{"post_grad_custom_post_pass": scaledmm.compile.passes(),
 sm90 and newer our kernels launch with programmatic dependent launch
 (``scaledmm.device.pdl``); ``options()`` also turns on Inductor's
 (``triton.enable_pdl``), so its kernels and ours overlap their launches:
-3-5 us a Llama-3-8B layer at decode; ``options(pdl=False)`` leaves it off
+2-5 us a Llama-3-8B layer at decode; ``options(pdl=False)`` leaves it off
 (benchmarks/RESULTS.md, "Inductor's PDL by default").
 
 It rewrites, in this order:
@@ -386,11 +386,12 @@ def options(pdl: bool = True) -> dict[str, Any]:
     Inductor's kernels and ours overlap their launches.
 
     On the H200's Llama-3-8B layer (``benchmarks model``, every format and
-    bf16 compiled alike, one run each way) it saves 3-5 us a layer at M = 1
+    bf16 compiled alike, one run each way) it saves 2-5 us a layer at M = 1
     and 8 in every format (FP8 per-channel 82.5 -> 77.7 us at M = 1, NVFP4
     W4A16 68.3 -> 63.5) and changes M = 64 by -4..+1 us; at M = 512 and
     4096 it moves the layer by -5%..+7% by format (fp8_block loses 4% at
-    M = 512; benchmarks/RESULTS.md, "Inductor's PDL by default").  Pass
+    M = 512 and 6% at 4096, with wide spreads there; benchmarks/RESULTS.md,
+    "Inductor's PDL by default").  Pass
     ``pdl=False`` for a graph that only ever runs large batches.
 
     Examples

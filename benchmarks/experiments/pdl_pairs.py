@@ -1,6 +1,6 @@
 """What a programmatic-dependent-launch successor costs a cuBLAS GEMM: the
 question behind Inductor's PDL (``triton.enable_pdl``) moving the
-Llama-3-8B layer both ways at M = 512-4096 while it saves 3-5 us at M = 1-8
+Llama-3-8B layer both ways at M = 512-4096 while it saves 2-5 us at M = 1-8
 (benchmarks/RESULTS.md, "Inductor's PDL by default").
 
     python -m benchmarks.experiments.pdl_pairs
