@@ -139,7 +139,7 @@ def test_kernels_in_triton_interpreter():
     env = dict(os.environ, PYTHONWARNINGS="ignore", TRITON_INTERPRET="1")
     env[CHILD_VAR] = "interpret"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout[-6000:] + r.stderr[-3000:])
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
 
