@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scaledmm.ops import nvfp4_triton as nt
+from scaledmm.ops import nvfp4_triton_quant as nt_quant
 from scaledmm.ops import nvfp4_triton_decode as nd
 from helpers import poison_
 from nvfp4_triton_helpers import (
@@ -186,7 +187,7 @@ def _dynamic_ref(x, x_amax, wa, swz):
 @pytest.mark.parametrize("cfg", QCFGS + QCFGS_STEPS[:1], ids=lambda c: c.label())
 def test_quant_dynamic_exact(monkeypatch, cfg):
     """``quant_dynamic``: the global scale from amax vectors of every length
-    (per row, one, 300 values: more than a program reduces itself, reduced
+    (per row, one, 300 values, more than a program reduces itself: reduced
     first) and alpha = weight_alpha / gs, against a float64 computation and
     SPEC's quantizer; poisoned outputs, odd shapes, strided rows."""
     _poison_quant_outputs(monkeypatch)
@@ -194,12 +195,17 @@ def test_quant_dynamic_exact(monkeypatch, cfg):
         wide = (torch.randn(m, k + 8) * 3).to(torch.bfloat16)
         for x in (wide[:, :k], wide[:, 8:]):
             per_row = x.float().abs().amax(dim=1)
-            for x_amax in (per_row, per_row.amax().reshape(1), torch.cat([torch.rand(300) * 0.1, per_row])):
+            for extra in (0, 1, 300, nt_quant.DYNAMIC_MAX_AMAX + 77):
+                x_amax = torch.cat([torch.rand(extra) * 0.1, per_row]) if extra != 1 else per_row.amax().reshape(1)
                 wa = torch.rand(1) * 1e-2
                 q, s, alpha = nt.quant_dynamic(x, x_amax, wa, True, cfg)
                 q_ref, s_ref, a_ref = _dynamic_ref(x, x_amax, wa, True)
                 assert same_bits(q, q_ref) and same_bits(s, s_ref), (m, k, x_amax.numel())
                 assert alpha.shape == (1,) and alpha.dtype == torch.float32 and torch.equal(alpha, a_ref)
+            if m == 130:  # one partial maximum above the rows' (the compile pass's per-2048 maxima)
+                x_amax = torch.cat([per_row, per_row.amax().reshape(1) * 1.5, per_row])
+                _, _, alpha = nt.quant_dynamic(x, x_amax, wa, True, cfg)
+                assert torch.equal(alpha, _dynamic_ref(x, x_amax, wa, True)[2])
 
 
 @interp
