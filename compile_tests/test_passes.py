@@ -81,7 +81,7 @@ def test_pass_leaves_other_graphs_alone():
 
     x = torch.randn(5, 256, dtype=torch.bfloat16)
     code = inductor_code(f, (x,), post_grad_custom_post_pass=p)
-    assert p.stats == {"size_conds": 0, "quant_gemm": 0, "nvfp4_epilogue": 0}
+    assert p.stats == {"size_conds": 0, "quant_gemm": 0, "nvfp4_epilogue": 0, "nvfp4_amax": 0}
     assert "per_token_group_quant_fp8" in code
 
 
@@ -355,3 +355,76 @@ def test_fp8_pair_not_fused_when_the_codes_are_read_elsewhere():
 
     code = inductor_code(f, (torch.randn(3, 640, dtype=torch.bfloat16),), post_grad_custom_post_pass=p)
     assert p.stats["quant_gemm"] == 0 and "fp8_linear" not in code
+
+
+# ----------------------------------------------------------------------------
+# pass (d): the row amax of a pointwise producer, taken per 2048 values
+# ----------------------------------------------------------------------------
+
+
+class AmaxProducer(torch.nn.Module):
+    """A producer chosen by ``kind`` feeding W4A4 ``NvFp4Linear`` layers with a dynamic input scale."""
+
+    def __init__(self, kind, k):
+        super().__init__()
+        from scaledmm.layers.nvfp4 import NvFp4Linear
+
+        self.kind, self.k = kind, k
+        self.lin = NvFp4Linear.from_float(torch.nn.Linear(k, 48, bias=False, dtype=torch.bfloat16))
+        self.lin2 = NvFp4Linear.from_float(torch.nn.Linear(k, 40, bias=False, dtype=torch.bfloat16))
+        self.norm = torch.nn.RMSNorm(k, dtype=torch.bfloat16)
+        torch.nn.init.uniform_(self.norm.weight, 0.5, 1.5)
+        # rows of a static width K, as a model's projections give them (a dynamic input width would make K
+        # symbolic), from products alone: every compile rounds them alike (no exp, no sums, no FMA)
+        self.register_buffer("g", torch.randn(2, k, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        if self.kind == "rmsnorm":
+            return self.lin(self.norm(x[:, 0, None] * self.g[0]))
+        a = torch.relu(x[:, 0, None] * self.g[0]) * (x[:, 1, None] * self.g[1])
+        if self.kind == "two_readers":
+            return self.lin(a), self.lin2(a)
+        return self.lin(a)
+
+
+AMAX_IN = 2
+
+# kind, K -> partial-amax rewrites
+AMAX_CASES = {("act_mul", 8192): 1, ("act_mul", 10240): 1, ("two_readers", 8192): (1, 2),
+              ("rmsnorm", 8192): 0, ("act_mul", 4096): 0, ("act_mul", 9216): 0}
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("kind,k", list(AMAX_CASES))
+def test_nvfp4_amax_per_chunk_after_pointwise_producers(kind, k, device, monkeypatch):
+    # an inference graph (nvfp4_dynamic_linear has no backward)
+    model = AmaxProducer(kind, k).requires_grad_(False).to(device)
+    width = AMAX_IN
+    rec = RecordingPass(sc.passes())
+    cm, _ = inductor_compile(model, (torch.randn(3, width, dtype=torch.bfloat16, device=device),),
+                             post_grad_custom_post_pass=rec)
+    want = AMAX_CASES[(kind, k)]
+    assert rec.stats["nvfp4_amax"] in (want if isinstance(want, tuple) else (want,))
+    amaxes = rec.find("aten.amax")
+    chunked = [a for a in amaxes if a["args"][0] == "aten.view"]
+    assert len(chunked) == rec.stats["nvfp4_amax"] and all(a["users"][0] == "scaledmm.nvfp4_dynamic_linear"
+                                                          for a in chunked), amaxes
+    if not want:
+        return
+    # the same graph without the rewrite gives the same bits: the maximum of the parts is the row maximum
+    monkeypatch.setattr(sc, "_AMAX_MIN_K", 1 << 40)
+    rec0 = RecordingPass(sc.passes())
+    cm0, _ = inductor_compile(model, (torch.randn(3, width, dtype=torch.bfloat16, device=device),),
+                              post_grad_custom_post_pass=rec0)
+    assert rec0.stats["nvfp4_amax"] == 0
+    with one_graph_for_all_m():
+        for m in (0, 1, 3, 17, 300):
+            x = torch.randn(m, width, dtype=torch.bfloat16) * torch.logspace(-3, 3, m).reshape(m, 1).bfloat16()
+            x = x.to(device)
+            if m == 17:
+                x[4, 0] = float("inf")  # non-finite values count as 0 in a row's amax, chunked or not
+                x[9, 1] = float("nan")
+            got, ref = cm(x), cm0(x)
+            for g, r in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref))):
+                assert g.shape[0] == m
+                torch.testing.assert_close(g, r, rtol=0, atol=0, equal_nan=True)

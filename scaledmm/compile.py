@@ -33,6 +33,15 @@ It rewrites, in this order:
    optional dtype conversions around them) becomes one ``nvfp4_mm`` whose
    ``alpha`` is the product and whose ``bias`` is the bias, rounded once.
 
+4. **Row amax of a fused producer -> amax per 2048 values.**  The
+   ``x_amax`` of ``nvfp4_dynamic_linear`` is any 1-D tensor whose maximum is
+   the activation's (``NvFp4Linear`` passes the row amax).  When that amax is
+   taken of a chain of pointwise ops (a SiLU-mul: no row reduction in it to
+   share a kernel with) over rows of K >= 8192, it becomes the amax of every
+   2048 consecutive values: Inductor then spreads a decode row over K / 2048
+   programs where it gave the row amax two.  The maximum, and so every output
+   bit, is unchanged.
+
 Each rewrite checks the exact shape of the pattern and leaves anything else
 alone.  ``uuid()`` hashes this file, so the FX graph cache keeps working and is
 invalidated when the pass changes.
@@ -339,6 +348,69 @@ def fold_nvfp4_epilogue(graph: fx.Graph) -> int:
 
 
 # ----------------------------------------------------------------------------
+# 4. nvfp4_dynamic_linear(x, amax(pointwise(...), [1]))  ==>  amax per chunk
+# ----------------------------------------------------------------------------
+
+#: Values per partial maximum.  With rows shorter than ``_AMAX_MIN_K`` a row
+#: amax is already spread well enough (and rows after a norm are left alone
+#: anyway: the norm's kernel takes their amax for free).
+_AMAX_CHUNK = 2048
+_AMAX_MIN_K = 8192
+
+
+def _pointwise_chain(node: fx.Node, limit: int = 64) -> bool:
+    """True when ``node`` is computed by pointwise ops and views from
+    materialized tensors (graph inputs, extern kernels, custom ops), with no
+    reduction among them: Inductor fuses such a chain into the kernel that
+    reduces its result, so the reduction's shape decides that kernel's grid."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        tags = getattr(n.target, "tags", ())
+        if torch.Tag.reduction in tags or len(seen) > limit:
+            return False
+        if torch.Tag.pointwise in tags or getattr(n.target, "is_view", False):
+            todo.extend(n.all_input_nodes)
+    return True
+
+
+def chunk_nvfp4_amax(graph: fx.Graph) -> int:
+    """Rewrite 4 (module docstring).  Every user of the amax must be an
+    ``nvfp4_dynamic_linear`` reading it as ``x_amax``: any other reader wants
+    the ``[M]`` row values."""
+    count = 0
+    for amax in list(graph.nodes):
+        if not (_is(amax, _aten.amax.default) and len(amax.args) >= 2 and list(amax.args[1]) in ([1], [-1])
+                and not (amax.args[2:3] and amax.args[2]) and not amax.kwargs.get("keepdim", False)):
+            continue
+        src = amax.args[0]
+        sv = _val(src)
+        if (not isinstance(sv, torch.Tensor) or sv.dim() != 2 or not isinstance(sv.shape[1], int)
+                or sv.shape[1] < _AMAX_MIN_K or sv.shape[1] % _AMAX_CHUNK or not sv.is_contiguous()
+                or src.op != "call_function" or torch.Tag.pointwise not in getattr(src.target, "tags", ())):
+            continue
+        if not amax.users or not all(_is(u, _ops.nvfp4_dynamic_linear.default) and u.args[1] is amax
+                                     and amax not in (u.args[0], *u.args[2:], *u.kwargs.values())
+                                     for u in amax.users):
+            continue
+        if not _pointwise_chain(src):
+            continue
+        with graph.inserting_before(amax):
+            view = graph.call_function(_aten.view.default, (src, [-1, _AMAX_CHUNK]))
+            _set_meta(view)
+            new = graph.call_function(_aten.amax.default, (view, [1]))
+            _set_meta(new)
+        amax.replace_all_uses_with(new)
+        graph.erase_node(amax)
+        count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------
 # the pass
 # ----------------------------------------------------------------------------
 
@@ -358,6 +430,7 @@ class ScaledMMPass(CustomGraphPass):
             "size_conds": lower_size_conds(gm) if gm is not None else 0,
             "quant_gemm": fuse_quant_into_gemm(graph) + fuse_quant_into_scaled_mm(graph),
             "nvfp4_epilogue": fold_nvfp4_epilogue(graph),
+            "nvfp4_amax": chunk_nvfp4_amax(graph),
         }
         graph.lint()
 
