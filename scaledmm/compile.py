@@ -39,8 +39,11 @@ It rewrites, in this order:
    taken of a chain of pointwise ops (a SiLU-mul: no row reduction in it to
    share a kernel with) over rows of K >= 8192, it becomes the amax of every
    2048 consecutive values: Inductor then spreads a decode row over K / 2048
-   programs where it gave the row amax two.  The maximum, and so every output
-   bit, is unchanged.
+   programs where it gave the row amax two.  The maximum is the rows'
+   maximum.  (Which values it is taken of is Inductor's choice, with the
+   rewrite or without: a fused producer's float32 values, or the rounded
+   activation; with ``emulate_precision_casts`` always the latter, and the
+   output is eager's bit for bit.)
 
 Each rewrite checks the exact shape of the pattern and leaves anything else
 alone.  ``uuid()`` hashes this file, so the FX graph cache keeps working and is
@@ -399,10 +402,22 @@ def chunk_nvfp4_amax(graph: fx.Graph) -> int:
             continue
         if not _pointwise_chain(src):
             continue
+        m, k = sv.shape
+        p = k // _AMAX_CHUNK
         with graph.inserting_before(amax):
-            view = graph.call_function(_aten.view.default, (src, [-1, _AMAX_CHUNK]))
-            _set_meta(view)
-            new = graph.call_function(_aten.amax.default, (view, [1]))
+            rows, n = m, m * p
+            if not isinstance(m, int):  # a dynamic row count: graph values
+                rows = graph.call_function(_aten.sym_size.int, (src, 0))
+                rows.meta["val"] = m
+                n = graph.call_function(operator.mul, (rows, p))
+                n.meta["val"] = m * p
+            # [M, K / C, C] reduced over its last dim, then flattened: a view of [M, K] as [M * K / C, C]
+            # would index it modulo M * K, which Inductor cannot lower for a graph compiled at M = 0
+            parts = graph.call_function(_aten.view.default, (src, [rows, p, _AMAX_CHUNK]))
+            _set_meta(parts)
+            red = graph.call_function(_aten.amax.default, (parts, [2]))
+            _set_meta(red)
+            new = graph.call_function(_aten.view.default, (red, [n]))
             _set_meta(new)
         amax.replace_all_uses_with(new)
         graph.erase_node(amax)
@@ -419,9 +434,19 @@ class ScaledMMPass(CustomGraphPass):
     """The scaledmm post-grad pass (see the module docstring).
 
     ``stats`` counts the rewrites done by the last call, per kind.
+    ``chunk_amax=False`` leaves rewrite 4 out (the same bits, another kernel
+    split); it is part of :meth:`uuid`.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> p = scaledmm.compile.ScaledMMPass(chunk_amax=False)
+    >>> p.uuid() != scaledmm.compile.ScaledMMPass().uuid()
+    True
     """
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_amax: bool = True) -> None:
+        self.chunk_amax = bool(chunk_amax)
         self.stats: dict[str, int] = {}
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -430,12 +455,12 @@ class ScaledMMPass(CustomGraphPass):
             "size_conds": lower_size_conds(gm) if gm is not None else 0,
             "quant_gemm": fuse_quant_into_gemm(graph) + fuse_quant_into_scaled_mm(graph),
             "nvfp4_epilogue": fold_nvfp4_epilogue(graph),
-            "nvfp4_amax": chunk_nvfp4_amax(graph),
+            "nvfp4_amax": chunk_nvfp4_amax(graph) if self.chunk_amax else 0,
         }
         graph.lint()
 
     def uuid(self) -> Any:
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__,)) + (b"" if self.chunk_amax else b"/no-amax-chunks")
 
 
 def passes() -> ScaledMMPass:
