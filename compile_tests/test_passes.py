@@ -389,7 +389,7 @@ class AmaxProducer(torch.nn.Module):
 
 AMAX_IN = 2
 
-# kind, K -> partial-amax rewrites
+# kind, K -> partial-amax rewrites (two_readers: one if Inductor's CSE has merged the layers' identical amaxes)
 AMAX_CASES = {("act_mul", 8192): 1, ("act_mul", 10240): 1, ("two_readers", 8192): (1, 2),
               ("rmsnorm", 8192): 0, ("act_mul", 4096): 0, ("act_mul", 9216): 0}
 

@@ -355,9 +355,9 @@ def fold_nvfp4_epilogue(graph: fx.Graph) -> int:
 # 4. nvfp4_dynamic_linear(x, amax(pointwise(...), [1]))  ==>  amax per chunk
 # ----------------------------------------------------------------------------
 
-#: Values per partial maximum.  With rows shorter than ``_AMAX_MIN_K`` a row
-#: amax is already spread well enough (and rows after a norm are left alone
-#: anyway: the norm's kernel takes their amax for free).
+#: Values per partial maximum.  Rows shorter than ``_AMAX_MIN_K`` keep their
+#: row amax: only the 14336-wide SiLU-mul row has been measured (rows after a
+#: norm keep it whatever their width: the norm's kernel takes it for free).
 _AMAX_CHUNK = 2048
 _AMAX_MIN_K = 8192
 

@@ -187,22 +187,24 @@ def _dynamic_ref(x, x_amax, wa, swz):
 @pytest.mark.parametrize("cfg", QCFGS + QCFGS_STEPS[:1], ids=lambda c: c.label())
 def test_quant_dynamic_exact(monkeypatch, cfg):
     """``quant_dynamic``: the global scale from amax vectors of every length
-    (per row, one, 300 values, more than a program reduces itself: reduced
-    first) and alpha = weight_alpha / gs, against a float64 computation and
+    (per row; one; 300 more; more than a program reduces itself, which are
+    reduced first; one above the rows' maximum) and alpha = weight_alpha / gs, against a float64 computation and
     SPEC's quantizer; poisoned outputs, odd shapes, strided rows."""
     _poison_quant_outputs(monkeypatch)
     for m, k in ((1, 16), (3, 48), (17, 400), (130, 32)):
         wide = (torch.randn(m, k + 8) * 3).to(torch.bfloat16)
         for x in (wide[:, :k], wide[:, 8:]):
             per_row = x.float().abs().amax(dim=1)
-            for extra in (0, 1, 300, nt_quant.DYNAMIC_MAX_AMAX + 77):
-                x_amax = torch.cat([torch.rand(extra) * 0.1, per_row]) if extra != 1 else per_row.amax().reshape(1)
+            def more(n):  # per_row after n smaller values
+                return torch.cat([torch.rand(n) * 0.1, per_row])
+
+            for x_amax in (per_row, per_row.amax().reshape(1), more(300), more(nt_quant.DYNAMIC_MAX_AMAX + 77)):
                 wa = torch.rand(1) * 1e-2
                 q, s, alpha = nt.quant_dynamic(x, x_amax, wa, True, cfg)
                 q_ref, s_ref, a_ref = _dynamic_ref(x, x_amax, wa, True)
                 assert same_bits(q, q_ref) and same_bits(s, s_ref), (m, k, x_amax.numel())
                 assert alpha.shape == (1,) and alpha.dtype == torch.float32 and torch.equal(alpha, a_ref)
-            if m == 130:  # one partial maximum above the rows' (the compile pass's per-2048 maxima)
+            if m == 130:  # a partial maximum above every row's decides (the compile pass's per-2048 maxima)
                 x_amax = torch.cat([per_row, per_row.amax().reshape(1) * 1.5, per_row])
                 _, _, alpha = nt.quant_dynamic(x, x_amax, wa, True, cfg)
                 assert torch.equal(alpha, _dynamic_ref(x, x_amax, wa, True)[2])
