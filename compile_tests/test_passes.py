@@ -387,8 +387,6 @@ class AmaxProducer(torch.nn.Module):
         return self.lin(a)
 
 
-AMAX_IN = 2
-
 # kind, K -> partial-amax rewrites (two_readers: one if Inductor's CSE has merged the layers' identical amaxes)
 AMAX_CASES = {("act_mul", 8192): 1, ("act_mul", 10240): 1, ("two_readers", 8192): (1, 2),
               ("rmsnorm", 8192): 0, ("act_mul", 4096): 0, ("act_mul", 9216): 0}
@@ -399,7 +397,7 @@ AMAX_CASES = {("act_mul", 8192): 1, ("act_mul", 10240): 1, ("two_readers", 8192)
 def test_nvfp4_amax_per_chunk_after_pointwise_producers(kind, k, device):
     # an inference graph (nvfp4_dynamic_linear has no backward)
     model = AmaxProducer(kind, k).requires_grad_(False).to(device)
-    width = AMAX_IN
+    width = 2  # the producers read columns 0 and 1
     rec = RecordingPass(sc.passes())
     # bf16 intermediates rounded as in eager, so that every compile's amax sees the bf16 activation
     exact = {"emulate_precision_casts": True}

@@ -21,13 +21,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_VAR = "SCALEDMM_FP8_QUANT_CHILD"
 CHILD = os.environ.get(CHILD_VAR) == "interpret"
 FP8 = torch.float8_e4m3fn
@@ -46,7 +43,7 @@ from scaledmm.device import interpreting  # noqa: E402
 from scaledmm.ops import fp8 as base  # noqa: E402
 from scaledmm.ops import fp8_triton_quant as Q  # noqa: E402
 
-from helpers import opcheck, poison_, run_codegen_child  # noqa: E402
+from helpers import opcheck, poison_, run_codegen_child, run_under_interpreter  # noqa: E402
 
 OPS = torch.ops.scaledmm
 
@@ -136,12 +133,7 @@ def special_rows(m: int, k: int, dtype=torch.float32, device="cpu") -> torch.Ten
 
 @parent
 def test_kernels_in_triton_interpreter():
-    env = dict(os.environ, PYTHONWARNINGS="ignore", TRITON_INTERPRET="1")
-    env[CHILD_VAR] = "interpret"
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, (r.stdout[-6000:] + r.stderr[-3000:])
-    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+    run_under_interpreter(__file__, {CHILD_VAR: "interpret", "PYTHONWARNINGS": "ignore"})
 
 
 @parent
