@@ -25,16 +25,26 @@ class BlockModel(torch.nn.Module):
 def test_uuid_is_stable():
     assert sc.passes().uuid() == sc.passes().uuid()
     assert isinstance(sc.passes().uuid(), (str, bytes))
+    # every switch is in the uuid: graphs compiled with and without a rewrite are cached apart
+    uuids = {sc.ScaledMMPass(**{k: v}).uuid() for k in ("chunk_amax", "fp8_quant", "fp8_block_quant")
+             for v in (False, True)}
+    assert len(uuids) == 4 and sc.passes().uuid() == sc.ScaledMMPass(fp8_quant=False, fp8_block_quant=False).uuid()
 
 
 def test_options_carry_the_pass_and_pdl_unless_turned_off():
     import torch._inductor.config as inductor_config
 
     opts = sc.options()
+    numerics = list(sc.numerics())
+    assert numerics == (["eager_numerics.division_rounding"] if hasattr(inductor_config, "eager_numerics") else
+                        ["emulate_divison_rounding"] if hasattr(inductor_config, "emulate_divison_rounding") else [])
     assert list(opts) == ["post_grad_custom_post_pass", "triton.enable_pdl"]
     assert opts["post_grad_custom_post_pass"].uuid() == sc.passes().uuid()
     assert opts["triton.enable_pdl"] is True and sc.options(pdl=True)["triton.enable_pdl"] is True
     assert list(sc.options(pdl=False)) == ["post_grad_custom_post_pass"]
+    fused = sc.options(fuse_quant=True)
+    assert list(fused) == ["post_grad_custom_post_pass", *numerics, "triton.enable_pdl"]
+    assert fused["post_grad_custom_post_pass"].uuid() == sc.ScaledMMPass(fp8_quant=True, fp8_block_quant=True).uuid()
     # torch.compile takes them as they are, and the PDL switch holds for that compile only
     before = inductor_config.triton.enable_pdl
     torch._dynamo.reset()
@@ -81,7 +91,8 @@ def test_pass_leaves_other_graphs_alone():
 
     x = torch.randn(5, 256, dtype=torch.bfloat16)
     code = inductor_code(f, (x,), post_grad_custom_post_pass=p)
-    assert p.stats == {"size_conds": 0, "quant_gemm": 0, "nvfp4_epilogue": 0, "nvfp4_amax": 0}
+    assert p.stats == {"size_conds": 0, "quant_gemm": 0, "nvfp4_epilogue": 0, "nvfp4_amax": 0, "fp8_quant": 0,
+                       "fp8_block_quant": 0}
     assert "per_token_group_quant_fp8" in code
 
 
@@ -427,3 +438,172 @@ def test_nvfp4_amax_per_chunk_after_pointwise_producers(kind, k, device):
                 assert g.shape[0] == m
                 torch.testing.assert_close(g, r, rtol=0, atol=0, equal_nan=True)
                 torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------
+# pass (e): per-token FP8 quantization in the producer's kernel
+# ----------------------------------------------------------------------------
+
+
+class TokenQuantProducer(torch.nn.Module):
+    """FP8 per-channel layers (dynamic per-token activations) behind the producers a decoder layer has."""
+
+    def __init__(self, kind, k=256):
+        super().__init__()
+        from scaledmm.layers.fp8 import Fp8Linear
+
+        def layer(n, activation="dynamic_per_token"):
+            return Fp8Linear.from_float(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16), per_channel=True,
+                                        activation=activation)
+
+        self.kind = kind
+        self.lin = layer(48, "dynamic" if kind == "per_tensor" else "dynamic_per_token")
+        self.lin2 = layer(40)
+        self.norm = torch.nn.RMSNorm(k, dtype=torch.bfloat16)
+        torch.nn.init.uniform_(self.norm.weight, 0.5, 1.5)
+        # rows of a static width from products alone (no exp: every compile and eager round them alike)
+        self.register_buffer("g", torch.randn(2, k, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        h = x[:, 0, None] * self.g[0]
+        if self.kind == "rmsnorm":
+            return self.lin(self.norm(h))
+        if self.kind == "two_readers":  # q / k / v as separate layers: one quantization
+            a = self.norm(h)
+            return self.lin(a), self.lin2(a)
+        if self.kind == "transpose":  # attention's [H, S, D] output, copied to [S, H * D]
+            k = self.g.shape[1]
+            heads = (h.view(-1, 4, k // 4).transpose(0, 1) * self.g[1].view(4, 1, k // 4))
+            return self.lin(heads.transpose(0, 1).reshape(-1, k))
+        return self.lin(torch.relu(h) * (x[:, 1, None] * self.g[1]))
+
+
+# kind -> rewrites
+TOKEN_QUANT_CASES = {"rmsnorm": 1, "act_mul": 1, "two_readers": 2, "transpose": 1, "per_tensor": 0}
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("kind", list(TOKEN_QUANT_CASES))
+def test_fp8_token_quant_in_the_producer_kernel(kind, device):
+    model = TokenQuantProducer(kind).requires_grad_(False).to(device)
+    width = 2  # the producers read columns 0 and 1
+    rec = RecordingPass(sc.ScaledMMPass(fp8_quant=True))
+    # bf16 intermediates rounded as in eager: the fused quantizer then sees eager's activation
+    exact = {"emulate_precision_casts": True}
+    cm, code = inductor_compile(model, (torch.randn(3, width, dtype=torch.bfloat16, device=device),),
+                                post_grad_custom_post_pass=rec, **exact)
+    want = TOKEN_QUANT_CASES[kind]
+    assert rec.stats["fp8_quant"] == want
+    assert len(rec.find("scaledmm.fp8_scaled_mm")) == want
+    assert len(rec.find("scaledmm.fp8_linear")) == (0 if want else 1)
+    if want:
+        assert "quant_fp8" not in code and len(rec.find("aten.amax")) == 1  # two readers share one
+    rec0 = RecordingPass(sc.passes())  # off by default
+    cm0, _ = inductor_compile(model, (torch.randn(3, width, dtype=torch.bfloat16, device=device),),
+                              post_grad_custom_post_pass=rec0, **exact)
+    assert rec0.stats["fp8_quant"] == 0
+    with one_graph_for_all_m():
+        for m in (0, 1, 3, 17, 300):
+            # rows from 1e-12 (below the amax floor's reach) to 1e6
+            x = torch.randn(m, width, dtype=torch.bfloat16) * torch.logspace(-12, 6, m).reshape(m, 1).bfloat16()
+            x = x.to(device)
+            if m == 17:
+                x[4, 0] = float("inf")  # a non-finite row: NaN / Inf scale in that row alone
+                x[9, 1] = float("nan")
+                x[11] = 0  # the floor
+            got, ref, eager = cm(x), cm0(x), model(x)
+            for g, r, e in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref, eager))):
+                assert g.shape[0] == m
+                torch.testing.assert_close(g, r, rtol=0, atol=0, equal_nan=True)
+                if kind not in ("rmsnorm", "two_readers"):  # a compiled norm sums in its own order
+                    torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+
+
+def test_fp8_token_quant_left_alone_for_a_graph_input():
+    from scaledmm.layers.fp8 import Fp8Linear
+
+    lin = Fp8Linear.from_float(torch.nn.Linear(256, 48, bias=False, dtype=torch.bfloat16), per_channel=True,
+                               activation="dynamic_per_token").requires_grad_(False)
+    rec = RecordingPass(sc.ScaledMMPass(fp8_quant=True))
+    code = inductor_code(lin, (torch.randn(3, 256, dtype=torch.bfloat16),), post_grad_custom_post_pass=rec)
+    assert rec.stats["fp8_quant"] == 0 and "fp8_linear" in code
+
+
+def test_fp8_token_scale_divisions_in_float64_round_as_float32_ones():
+    # the rewrite computes s = max(amax, 1e-10) / 448 and 1 / s in float64 (Inductor may lower a float32
+    # division to an approximate one, or a constant divisor to a multiply by its reciprocal): rounded once
+    # to float32 they must be the IEEE float32 quotients, including via the reciprocal of 448
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0x2edbe6ff, 0x7f800000, (1 << 22,), generator=g, dtype=torch.int64)  # 1e-10 .. max
+    c = bits.to(torch.int32).view(torch.float32)
+    s = c / torch.tensor(448.0)
+    assert torch.equal((c.double() / 448.0).float(), s)
+    assert torch.equal((c.double() * (1.0 / 448.0)).float(), s)
+    assert torch.equal((1.0 / s.double()).float(), torch.reciprocal(s))
+
+
+class GroupQuantProducer(torch.nn.Module):
+    """FP8 block-scaled layers (1 x 128 activation groups) behind a decoder layer's producers."""
+
+    def __init__(self, kind, k=512):
+        super().__init__()
+        from scaledmm.layers.fp8_block import Fp8BlockLinear
+
+        self.kind = kind
+        self.lin = Fp8BlockLinear.from_float(torch.nn.Linear(k, 256, bias=kind == "bias", dtype=torch.bfloat16))
+        self.lin2 = Fp8BlockLinear.from_float(torch.nn.Linear(k, 128, bias=False, dtype=torch.bfloat16))
+        self.norm = torch.nn.RMSNorm(k, dtype=torch.bfloat16)
+        torch.nn.init.uniform_(self.norm.weight, 0.5, 1.5)
+        self.register_buffer("g", torch.randn(2, k, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        h = x[:, 0, None] * self.g[0]
+        if self.kind == "rmsnorm":
+            return self.lin(self.norm(h))
+        if self.kind == "two_readers":
+            a = torch.relu(h) * self.g[1]
+            return self.lin(a), self.lin2(a)
+        return self.lin(torch.relu(h) * (x[:, 1, None] * self.g[1]))
+
+
+GROUP_QUANT_CASES = {"rmsnorm": 1, "act_mul": 1, "two_readers": 2, "bias": 1}
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("kind", list(GROUP_QUANT_CASES))
+def test_fp8_group_quant_in_the_producer_kernel(kind, device):
+    if not sc.numerics():
+        pytest.skip("this torch has no Inductor option for IEEE float32 divisions")
+    model = GroupQuantProducer(kind).requires_grad_(False).to(device)
+    exact = {"emulate_precision_casts": True, **sc.numerics()}
+    rec = RecordingPass(sc.ScaledMMPass(fp8_block_quant=True))
+    cm, code = inductor_compile(model, (torch.randn(3, 2, dtype=torch.bfloat16, device=device),),
+                                post_grad_custom_post_pass=rec, **exact)
+    want = GROUP_QUANT_CASES[kind]
+    assert rec.stats["fp8_block_quant"] == want
+    assert "fp8_block_linear" not in code and "per_token_group_quant_fp8" not in code
+    assert len(rec.find("scaledmm.dynamic_padded_fp8_block_mm")) == want
+    assert len(rec.find("aten.amax")) == 1  # two readers share one quantization
+    # without IEEE divisions in Inductor's kernels, the op stays whole
+    rec1 = RecordingPass(sc.ScaledMMPass(fp8_block_quant=True))
+    inductor_compile(model, (torch.randn(3, 2, dtype=torch.bfloat16, device=device),),
+                     post_grad_custom_post_pass=rec1, emulate_precision_casts=True,
+                     **{k: False for k in sc.numerics()})
+    assert rec1.stats["fp8_block_quant"] == 0 and len(rec1.find("scaledmm.fp8_block_linear")) == want
+    rec0 = RecordingPass(sc.passes())  # off by default
+    cm0, _ = inductor_compile(model, (torch.randn(3, 2, dtype=torch.bfloat16, device=device),),
+                              post_grad_custom_post_pass=rec0, **exact)
+    with one_graph_for_all_m():
+        for m in (0, 1, 3, 17, 300):
+            x = torch.randn(m, 2, dtype=torch.bfloat16) * torch.logspace(-12, 6, m).reshape(m, 1).bfloat16()
+            x = x.to(device)
+            if m == 17:
+                x[4, 0] = float("inf")  # one row's groups: NaN / Inf scales in that row alone
+                x[9, 1] = float("nan")
+                x[11] = 0  # the floor
+            got, ref, eager = cm(x), cm0(x), model(x)
+            for g, r, e in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref, eager))):
+                assert g.shape[0] == m
+                torch.testing.assert_close(g, r, rtol=0, atol=0, equal_nan=True)
+                if kind != "rmsnorm":  # a compiled norm sums in its own order
+                    torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)

@@ -6,11 +6,10 @@ Use it as::
     model = torch.compile(model, dynamic=True, options=scaledmm.compile.options())
 
 which is ``{"post_grad_custom_post_pass": scaledmm.compile.passes(),
-"triton.enable_pdl": True}``.  On
-sm90 and newer our kernels launch with programmatic dependent launch
-(``scaledmm.device.pdl``); ``options()`` also turns on Inductor's
-(``triton.enable_pdl``), so its kernels and ours overlap their launches:
-2-5 us a Llama-3-8B layer at decode; ``options(pdl=False)`` leaves it off
+"triton.enable_pdl": True}``.  On sm90 and newer our kernels launch with
+programmatic dependent launch (``scaledmm.device.pdl``); ``options()`` also
+turns on Inductor's (``triton.enable_pdl``), so its kernels and ours overlap
+their launches: 2-5 us a Llama-3-8B layer at decode; ``options(pdl=False)`` leaves it off
 (benchmarks/RESULTS.md, "Inductor's PDL by default").
 
 It rewrites, in this order:
@@ -46,6 +45,22 @@ It rewrites, in this order:
    with ``emulate_precision_casts`` always the latter, and the output is
    eager's bit for bit.)
 
+5. **FP8 activation quantization -> aten ops in the producer's kernel**
+   (off by default, not yet timed on a GPU: ``options(fuse_quant=True)``).
+   ``fp8_linear`` with a dynamic per-token scale (``Fp8Linear``'s default)
+   or ``fp8_block_linear`` (1 x 128 groups), whose activation is made by a
+   pointwise op (the norm's last multiply, a SiLU-mul, the copy after
+   attention), becomes the quantization in aten ops (``reference_quant``'s
+   arithmetic: amax, ``max(amax, 1e-10) / 448``, ``x * (1 / s)`` per token
+   or ``x / s`` per group, clamp, e4m3) and the GEMM op.  Inductor can then
+   fuse the quantization into the kernel that makes the activation: one
+   launch and one bf16 round trip less per layer.  Layers reading the same
+   activation share one quantization.  The per-group form divides every
+   value, so it is done only where Inductor's float32 divisions are IEEE
+   ones (:func:`numerics`).  The codes are the quantizer's for the
+   activation Inductor computes (with ``emulate_precision_casts`` eager's,
+   bit for bit; without it, the producer's unrounded float32 values).
+
 Each rewrite checks the exact shape of the pattern and leaves anything else
 alone.  ``uuid()`` hashes this file, so the FX graph cache keeps working and is
 invalidated when the pass changes.
@@ -60,10 +75,14 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-__all__ = ["ScaledMMPass", "passes", "options"]
+from scaledmm.ops.fp8 import AMAX_FLOOR
+from scaledmm.oplib import FP8_DTYPE, FP8_MAX
+
+__all__ = ["ScaledMMPass", "passes", "options", "numerics"]
 
 _ops = torch.ops.scaledmm
 _aten = torch.ops.aten
+_prims = torch.ops.prims
 
 
 def _is(node: Any, *targets) -> bool:
@@ -427,6 +446,161 @@ def chunk_nvfp4_amax(graph: fx.Graph) -> int:
 
 
 # ----------------------------------------------------------------------------
+# 5. fp8_linear / fp8_block_linear(pointwise(...))  ==>  the quantization in aten ops, then the GEMM
+# ----------------------------------------------------------------------------
+
+
+def _made_by_pointwise(node: Any) -> bool:
+    """True when ``node`` is the output of a pointwise op, through views:
+    Inductor computes it in a kernel of its own, which can take the
+    quantization in."""
+    def call(n: Any) -> bool:
+        return isinstance(n, fx.Node) and n.op == "call_function"
+
+    while call(node) and getattr(node.target, "is_view", False) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return call(node) and torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _call(graph: fx.Graph, target, *args) -> fx.Node:
+    node = graph.call_function(target, args)
+    _set_meta(node)
+    return node
+
+
+def _token_quant(graph: fx.Graph, x: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """``quant_fp8(x, None, per_token=True)`` as aten ops (``reference_quant``'s
+    arithmetic).  The two divisions are done in float64 and rounded once to
+    float32: Inductor may lower a float32 division to an approximate one
+    (Triton's ``div.full``; a constant divisor becomes a multiply by its
+    reciprocal), while the float64 quotient of these operands is never an
+    exact float32 tie, so it rounds to the IEEE float32 quotient."""
+    f32, f64 = torch.float32, torch.float64
+    xf = _call(graph, _prims.convert_element_type.default, x, f32)
+    amax = _call(graph, _aten.amax.default, _call(graph, _aten.abs.default, xf), [1], True)
+    floor = _call(graph, _aten.clamp_min.default, amax, AMAX_FLOOR)
+    s64 = _call(graph, _aten.div.Tensor, _call(graph, _prims.convert_element_type.default, floor, f64), FP8_MAX)
+    s = _call(graph, _prims.convert_element_type.default, s64, f32)
+    inv = _call(graph, _prims.convert_element_type.default,
+                _call(graph, _aten.reciprocal.default, _call(graph, _prims.convert_element_type.default, s, f64)),
+                f32)
+    y = _call(graph, _aten.clamp_max.default,
+              _call(graph, _aten.clamp_min.default, _call(graph, _aten.mul.Tensor, xf, inv), -FP8_MAX), FP8_MAX)
+    return _call(graph, _prims.convert_element_type.default, y, FP8_DTYPE), s
+
+
+def quantize_fp8_in_producer(graph: fx.Graph) -> int:
+    """Rewrite 5 for ``fp8_linear`` (module docstring)."""
+    count = 0
+    done: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
+    for node in list(graph.nodes):
+        if not _is(node, _ops.fp8_linear.default):
+            continue
+        x = node.args[0] if node.args else node.kwargs["x"]
+        if _arg(node, 3, "scale_x", None) is not None or not _arg(node, 4, "per_token", False):
+            continue
+        xv = _val(x)
+        if (not isinstance(xv, torch.Tensor) or xv.dim() != 2 or xv.dtype not in (torch.bfloat16, torch.float16)
+                or not isinstance(xv.shape[1], int) or xv.shape[1] == 0 or not _made_by_pointwise(x)):
+            continue
+        b, scale_b = node.args[1], node.args[2]
+        with graph.inserting_before(node):
+            if x not in done:
+                done[x] = _token_quant(graph, x)
+            q, s = done[x]
+            mm = graph.call_function(_ops.fp8_scaled_mm.default, (q, b, s, scale_b, _arg(node, 5, "bias", None),
+                                                                  _arg(node, 6, "out_dtype", torch.bfloat16)))
+            _set_meta(mm)
+        node.replace_all_uses_with(mm)
+        graph.erase_node(node)
+        count += 1
+    return count
+
+
+def _division_rounding_key() -> str | None:
+    """The Inductor option that makes its float32 divisions IEEE ones
+    (``div_rn`` in Triton) in this torch, or None."""
+    from torch._inductor import config
+
+    if hasattr(getattr(config, "eager_numerics", None), "division_rounding"):
+        return "eager_numerics.division_rounding"
+    return "emulate_divison_rounding" if hasattr(config, "emulate_divison_rounding") else None
+
+
+def _division_rounding() -> bool:
+    from torch._inductor import config
+
+    key = _division_rounding_key()
+    if key is None:
+        return False
+    for part in key.split("."):
+        config = getattr(config, part)
+    return bool(config)
+
+
+def _group_quant(graph: fx.Graph, x: fx.Node, group: int) -> tuple[fx.Node, fx.Node]:
+    """``per_token_group_quant_fp8(x, group, 1e-10, column_major_scales=True)``
+    as aten ops (``reference_quant``'s arithmetic; ``x / s`` needs IEEE
+    float32 divisions, the scale's constant divisor is taken in float64 as in
+    :func:`_token_quant`)."""
+    f32, f64 = torch.float32, torch.float64
+    m, k = _val(x).shape
+    rows = m
+    if not isinstance(m, int):  # a dynamic row count: a graph value
+        rows = graph.call_function(_aten.sym_size.int, (x, 0))
+        rows.meta["val"] = m
+    xg = _call(graph, _aten.view.default, _call(graph, _prims.convert_element_type.default, x, f32),
+               [rows, k // group, group])
+    amax = _call(graph, _aten.amax.default, _call(graph, _aten.abs.default, xg), [2], True)
+    floor = _call(graph, _aten.clamp_min.default, amax, 1e-10)  # fp8_block_linear's eps
+    s64 = _call(graph, _aten.div.Tensor, _call(graph, _prims.convert_element_type.default, floor, f64), FP8_MAX)
+    s = _call(graph, _prims.convert_element_type.default, s64, f32)
+    y = _call(graph, _aten.clamp_max.default,
+              _call(graph, _aten.clamp_min.default, _call(graph, _aten.div.Tensor, xg, s), -FP8_MAX), FP8_MAX)
+    q = _call(graph, _aten.view.default, _call(graph, _prims.convert_element_type.default, y, FP8_DTYPE), [rows, k])
+    # column-major [M, K / group], the layout the composite passes (cuBLAS and CUTLASS read it)
+    st = _call(graph, _aten.permute.default, _call(graph, _aten.view.default, s, [rows, k // group]), [1, 0])
+    s_col = _call(graph, _aten.permute.default, _call(graph, _aten.clone.default, st), [1, 0])
+    return q, s_col
+
+
+def quantize_fp8_block_in_producer(graph: fx.Graph) -> int:
+    """Rewrite 5 for ``fp8_block_linear`` (module docstring); only where
+    Inductor's float32 divisions are IEEE ones (``x / s`` per element)."""
+    if not _division_rounding():
+        return 0
+    count = 0
+    done: dict[tuple[fx.Node, int], tuple[fx.Node, fx.Node]] = {}
+    for node in list(graph.nodes):
+        if not _is(node, _ops.fp8_block_linear.default):
+            continue
+        x, b, b_scales = node.args[:3]
+        block = list(_arg(node, 3, "block_size", [128, 128]))
+        out_dtype = _arg(node, 4, "out_dtype", torch.bfloat16)
+        bias = _arg(node, 5, "bias", None)
+        xv = _val(x)
+        if (len(block) != 2 or not isinstance(xv, torch.Tensor) or xv.dim() != 2
+                or xv.dtype not in (torch.bfloat16, torch.float16) or not isinstance(xv.shape[1], int)
+                or xv.shape[1] == 0 or xv.shape[1] % block[1] or not _made_by_pointwise(x)):
+            continue
+        with graph.inserting_before(node):
+            if (x, block[1]) not in done:
+                done[(x, block[1])] = _group_quant(graph, x, block[1])
+            q, s = done[(x, block[1])]
+            mm_dtype = out_dtype if bias is None else torch.float32
+            out = _call(graph, _ops.dynamic_padded_fp8_block_mm.default, q, b, s, b_scales, block, mm_dtype)
+            if bias is not None:  # as the composite: + bias in float32, one rounding
+                out = _call(graph, _prims.convert_element_type.default,
+                            _call(graph, _aten.add.Tensor, out,
+                                  _call(graph, _prims.convert_element_type.default, bias, torch.float32)),
+                            out_dtype)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------
 # the pass
 # ----------------------------------------------------------------------------
 
@@ -436,18 +610,24 @@ class ScaledMMPass(CustomGraphPass):
 
     ``stats`` counts the rewrites done by the last call, per kind.
     ``chunk_amax=False`` leaves rewrite 4 out (the same bits, another kernel
-    split); it is part of :meth:`uuid`.
+    split); ``fp8_quant=True`` / ``fp8_block_quant=True`` turn rewrite 5 on
+    for per-token / per-group FP8 activations.  Every switch is part of
+    :meth:`uuid`.
 
     Examples
     --------
-    >>> import scaledmm
+    >>> import torch, scaledmm
     >>> p = scaledmm.compile.ScaledMMPass(chunk_amax=False)
     >>> p.uuid() != scaledmm.compile.ScaledMMPass().uuid()
     True
+    >>> q = scaledmm.compile.ScaledMMPass(fp8_quant=True, fp8_block_quant=True)
+    >>> f = torch.compile(lambda x: x + 1, options={"post_grad_custom_post_pass": q, **scaledmm.compile.numerics()})
     """
 
-    def __init__(self, chunk_amax: bool = True) -> None:
+    def __init__(self, chunk_amax: bool = True, fp8_quant: bool = False, fp8_block_quant: bool = False) -> None:
         self.chunk_amax = bool(chunk_amax)
+        self.fp8_quant = bool(fp8_quant)
+        self.fp8_block_quant = bool(fp8_block_quant)
         self.stats: dict[str, int] = {}
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -457,15 +637,20 @@ class ScaledMMPass(CustomGraphPass):
             "quant_gemm": fuse_quant_into_gemm(graph) + fuse_quant_into_scaled_mm(graph),
             "nvfp4_epilogue": fold_nvfp4_epilogue(graph),
             "nvfp4_amax": chunk_nvfp4_amax(graph) if self.chunk_amax else 0,
+            "fp8_quant": quantize_fp8_in_producer(graph) if self.fp8_quant else 0,
+            "fp8_block_quant": quantize_fp8_block_in_producer(graph) if self.fp8_block_quant else 0,
         }
         graph.lint()
 
     def uuid(self) -> Any:
-        return get_hash_for_files((__file__,)) + (b"" if self.chunk_amax else b"/no-amax-chunks")
+        return (get_hash_for_files((__file__,)) + (b"" if self.chunk_amax else b"/no-amax-chunks")
+                + (b"/fp8-quant" if self.fp8_quant else b"") + (b"/fp8-block-quant" if self.fp8_block_quant else b""))
 
 
-def passes() -> ScaledMMPass:
+def passes(fuse_quant: bool = False) -> ScaledMMPass:
     """The scaledmm Inductor pass, for ``options={"post_grad_custom_post_pass": ...}``.
+    ``fuse_quant`` turns rewrite 5 on (FP8 activations quantized in their
+    producer's kernel; the fp8_block form also needs :func:`numerics`).
 
     Examples
     --------
@@ -475,14 +660,16 @@ def passes() -> ScaledMMPass:
     True
     >>> f = torch.compile(lambda x: x + 1, options={"post_grad_custom_post_pass": p})
     """
-    return ScaledMMPass()
+    return ScaledMMPass(fp8_quant=fuse_quant, fp8_block_quant=fuse_quant)
 
 
-def options(pdl: bool = True) -> dict[str, Any]:
+def options(pdl: bool = True, fuse_quant: bool = False) -> dict[str, Any]:
     """``torch.compile`` options for models that use scaledmm ops: the pass
     (:func:`passes`) and, with ``pdl`` (the default), Inductor's programmatic
     dependent launch (``triton.enable_pdl``; ignored below sm90), so that
-    Inductor's kernels and ours overlap their launches.
+    Inductor's kernels and ours overlap their launches.  ``fuse_quant``
+    turns rewrite 5 on, with IEEE float32 divisions in Inductor's kernels
+    (:func:`numerics`: eager's rounding everywhere in the graph).
 
     On the H200's Llama-3-8B layer (``benchmarks model``, every format and
     bf16 compiled alike, one run each way) it saves 2-5 us a layer at M = 1
@@ -498,11 +685,28 @@ def options(pdl: bool = True) -> dict[str, Any]:
     >>> import torch, scaledmm
     >>> sorted(scaledmm.compile.options())
     ['post_grad_custom_post_pass', 'triton.enable_pdl']
-    >>> sorted(scaledmm.compile.options(pdl=False))
-    ['post_grad_custom_post_pass']
+    >>> sorted(scaledmm.compile.options(pdl=False, fuse_quant=True))  # torch 2.13
+    ['eager_numerics.division_rounding', 'post_grad_custom_post_pass']
     >>> f = torch.compile(lambda x: x + 1, options=scaledmm.compile.options())
     """
-    opts: dict[str, Any] = {"post_grad_custom_post_pass": passes()}
+    opts: dict[str, Any] = {"post_grad_custom_post_pass": passes(fuse_quant), **(numerics() if fuse_quant else {})}
     if pdl:
         opts["triton.enable_pdl"] = True
     return opts
+
+
+def numerics() -> dict[str, Any]:
+    """The Inductor option, where this torch has one, that rounds its float32
+    divisions as IEEE ones (``eager_numerics.division_rounding``; torch 2.10:
+    ``emulate_divison_rounding``): rewrite 5 quantizes fp8_block activations
+    (``x / s``) in Inductor's kernels only with it.  Part of
+    ``options(fuse_quant=True)``.
+
+    Examples
+    --------
+    >>> import scaledmm
+    >>> list(scaledmm.compile.numerics().values()) in ([], [True])
+    True
+    """
+    key = _division_rounding_key()
+    return {key: True} if key else {}
