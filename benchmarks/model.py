@@ -243,6 +243,9 @@ def add_arguments(parser) -> None:
                    help="Inductor's own kernels with programmatic dependent launch (triton.enable_pdl, as "
                         "scaledmm.compile.options() sets it), for every format and bf16 alike (default on; "
                         "--no-inductor-pdl: off)")
+    g.add_argument("--fuse-quant", action="store_true",
+                   help="FP8 activations quantized in the kernel that makes them (scaledmm.compile.options("
+                        "fuse_quant=True): the pass's rewrite 5 and IEEE divisions in Inductor's kernels)")
 
 
 def _parse_list(spec: str, valid: Sequence[str], option: str) -> list[str]:
@@ -370,14 +373,16 @@ def _dynamo_limits(entries: int):
         yield
 
 
-def compiler(mode: str) -> Callable[[nn.Module], Callable]:
-    """``mode`` -> a function compiling a module (fullgraph; M dynamic via the inputs)."""
+def compiler(mode: str, fuse_quant: bool = False) -> Callable[[nn.Module], Callable]:
+    """``mode`` -> a function compiling a module (fullgraph; M dynamic via the
+    inputs); ``fuse_quant``: the pass's rewrite 5 (``scaledmm.compile.passes(fuse_quant=True)``)."""
     if mode == "off":
         return lambda m: m
     if mode == "inductor":
         import scaledmm.compile
 
-        kw = dict(backend="inductor", options={"post_grad_custom_post_pass": scaledmm.compile.passes()})
+        kw = dict(backend="inductor",
+                  options={"post_grad_custom_post_pass": scaledmm.compile.passes(fuse_quant)})
     else:
         kw = dict(backend=mode)
     # M is marked dynamic on the inputs (see run_layers): one graph per format
@@ -417,7 +422,8 @@ def _layer_base(name: str, device: torch.device) -> DecoderProjections:
 
 
 def run_layers(names: Sequence[str], formats: Sequence[str], ms: Sequence[int], device: torch.device,
-               cfg: TimingConfig, compile_mode: str, log=sys.stderr) -> tuple[list[Result], dict]:
+               cfg: TimingConfig, compile_mode: str, log=sys.stderr,
+               fuse_quant: bool = False) -> tuple[list[Result], dict]:
     """Check and time every (model, format, M) layer point.
 
     Returns the results (``provider`` = format, bf16 as the baseline) and
@@ -425,7 +431,7 @@ def run_layers(names: Sequence[str], formats: Sequence[str], ms: Sequence[int], 
     """
     results: list[Result] = []
     weights: dict[tuple[str, str], int] = {}
-    compile_fn = compiler(compile_mode)
+    compile_fn = compiler(compile_mode, fuse_quant)
     with torch.no_grad(), _dynamo_limits(len(ms) + 4):
         for name in names:
             base = _layer_base(name, device)
@@ -585,8 +591,12 @@ def run_family(args, device: torch.device, cfg: TimingConfig, env: dict, ceil, o
     ``--inductor-pdl`` holds for the run only."""
     import torch._inductor.config as inductor_config
 
+    import scaledmm.compile
+
     pdl = args.inductor_pdl and device.type == "cuda"
-    with inductor_config.patch({"triton.enable_pdl": pdl}):
+    # as scaledmm.compile.options(pdl, fuse_quant) sets them, for every format and bf16 alike
+    numerics = scaledmm.compile.numerics() if args.fuse_quant else {}
+    with inductor_config.patch({"triton.enable_pdl": pdl, **numerics}):
         return _run_family(args, device, cfg, env, ceil, out_dir, pdl)
 
 
@@ -614,10 +624,11 @@ def _run_family(args, device: torch.device, cfg: TimingConfig, env: dict, ceil, 
     if not args.generate_only:
         ms = (parse_ms(args.m) if args.m else
               list(QUICK_MODEL_M if args.quick else MODEL_M) if device.type == "cuda" else list(CPU_MODEL_M))
-        results, weights = run_layers(names, formats, ms, device, cfg, compile_mode)
+        results, weights = run_layers(names, formats, ms, device, cfg, compile_mode, fuse_quant=args.fuse_quant)
         method = ("layers not compiled (--compile off)" if compile_mode == "off" else
                   f"each layer compiled ({compile_mode}, fullgraph, M dynamic"
-                  + (", post-grad pass scaledmm.compile.passes()" if compile_mode == "inductor" else "")
+                  + ((", post-grad pass scaledmm.compile.passes(fuse_quant=True), IEEE divisions" if args.fuse_quant
+                      else ", post-grad pass scaledmm.compile.passes()") if compile_mode == "inductor" else "")
                   + (", Inductor PDL (triton.enable_pdl))" if pdl else ")"))
         method += (", checked against a float64 run of the unquantized layer (relative L2 error of "
                    "output - input), then timed: ")

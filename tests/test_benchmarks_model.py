@@ -220,10 +220,22 @@ def test_compiled_layer_traces_as_one_graph():
     assert counters["stats"]["unique_graphs"] >= 2  # fullgraph: one graph per format, no breaks
 
 
+def test_layers_with_the_quantization_in_the_producers_pass_the_error_gate():
+    import scaledmm.compile
+    from torch._inductor import config as inductor_config
+
+    cpu = torch.device("cpu")
+    with inductor_config.patch(scaledmm.compile.numerics()):
+        results, _ = model.run_layers(["tiny_llama"], ["fp8", "fp8_block"], [3], cpu,
+                                      TimingConfig.for_device(cpu, True), "inductor", fuse_quant=True)
+    assert [(r.provider, r.status) for r in results] == [("bf16", "ok"), ("fp8", "ok"), ("fp8_block", "ok")], results
+
+
 def test_model_options_parse():
     args = cli.build_parser().parse_args(["model", "--quick"])
     assert args.family == "model" and args.generate is None and args.formats is None and args.compile is None
-    assert args.inductor_pdl is True
+    assert args.inductor_pdl is True and args.fuse_quant is False
+    assert cli.build_parser().parse_args(["model", "--fuse-quant"]).fuse_quant is True
     assert cli.build_parser().parse_args(["model", "--no-inductor-pdl"]).inductor_pdl is False
     args = cli.build_parser().parse_args(["model", "--no-generate", "--formats", "nvfp4", "--gen-batch", "1,8"])
     assert args.generate is False and model.parse_batches(args.gen_batch) == [1, 8]

@@ -29,6 +29,7 @@ import os
 import torch
 import torch._inductor.config as inductor_config
 
+import scaledmm.compile
 from benchmarks.model import BASE, _layer_base, compiler, quantize, release
 
 
@@ -37,12 +38,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile(name: str, fmt: str, ms: list[int], reps: int, device: torch.device) -> list[dict]:
+def profile(name: str, fmt: str, ms: list[int], reps: int, device: torch.device,
+            fuse_quant: bool = False) -> list[dict]:
     release(device)
     mod = _layer_base(name, device)
     if fmt != BASE:
         quantize(mod, fmt)
-    call = compiler("inductor")(mod)
+    call = compiler("inductor", fuse_quant)(mod)
     hidden = mod.o_proj.out_features
     rows = []
     with torch.no_grad():
@@ -83,12 +85,14 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--inductor-pdl", action=argparse.BooleanOptionalAction, default=True,
                    help="Inductor's PDL (triton.enable_pdl), on by default as in benchmarks model")
+    p.add_argument("--fuse-quant", action="store_true", help="as benchmarks model --fuse-quant")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ms = [int(v) for v in args.m.split(",")]
-    with inductor_config.patch({"triton.enable_pdl": bool(args.inductor_pdl)}):
+    numerics = scaledmm.compile.numerics() if args.fuse_quant else {}
+    with inductor_config.patch({"triton.enable_pdl": bool(args.inductor_pdl), **numerics}):
         results = [r for fmt in (BASE, *[f for f in args.formats.split(",") if f])
-                   for r in profile(args.model, fmt, ms, args.reps, device)]
+                   for r in profile(args.model, fmt, ms, args.reps, device, args.fuse_quant)]
     for r in results:
         print(f"{r['format']} M={r['m']}: device {r['device_us']:.1f} us/call, {r['events']:.0f} events")
         for k, us, n in r["kernels"]:
