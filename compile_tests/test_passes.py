@@ -445,20 +445,13 @@ def test_nvfp4_amax_per_chunk_after_pointwise_producers(kind, k, device):
 # ----------------------------------------------------------------------------
 
 
-class TokenQuantProducer(torch.nn.Module):
-    """FP8 per-channel layers (dynamic per-token activations) behind the producers a decoder layer has."""
+class QuantProducer(torch.nn.Module):
+    """Two FP8 layers (``lin``, ``lin2``) behind the producers a decoder layer has."""
 
-    def __init__(self, kind, k=256):
+    def __init__(self, kind, lin, lin2):
         super().__init__()
-        from scaledmm.layers.fp8 import Fp8Linear
-
-        def layer(n, activation="dynamic_per_token"):
-            return Fp8Linear.from_float(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16), per_channel=True,
-                                        activation=activation)
-
-        self.kind = kind
-        self.lin = layer(48, "dynamic" if kind == "per_tensor" else "dynamic_per_token")
-        self.lin2 = layer(40)
+        k = lin.in_features
+        self.kind, self.lin, self.lin2 = kind, lin, lin2
         self.norm = torch.nn.RMSNorm(k, dtype=torch.bfloat16)
         torch.nn.init.uniform_(self.norm.weight, 0.5, 1.5)
         # rows of a static width from products alone (no exp: every compile and eager round them alike)
@@ -478,6 +471,37 @@ class TokenQuantProducer(torch.nn.Module):
         return self.lin(torch.relu(h) * (x[:, 1, None] * self.g[1]))
 
 
+def token_layers(kind, k=256):
+    from scaledmm.layers.fp8 import Fp8Linear
+
+    def layer(n, activation="dynamic_per_token"):
+        return Fp8Linear.from_float(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16), per_channel=True,
+                                    activation=activation)
+
+    return layer(48, "dynamic" if kind == "per_tensor" else "dynamic_per_token"), layer(40)
+
+
+def assert_same_quantized_layers(cm, cm0, model, device, vs_eager):
+    """``cm`` (the rewrite) gives ``cm0``'s bits (without it), and eager's
+    where ``vs_eager``, for every M: rows from 1e-12 (below the amax floor's
+    reach) to 1e6; at M = 17 an Inf row, a NaN row (non-finite scales in that
+    row alone) and an all-zero row (the floor)."""
+    with one_graph_for_all_m():
+        for m in (0, 1, 3, 17, 300):
+            x = torch.randn(m, 2, dtype=torch.bfloat16) * torch.logspace(-12, 6, m).reshape(m, 1).bfloat16()
+            x = x.to(device)
+            if m == 17:
+                x[4, 0] = float("inf")
+                x[9, 1] = float("nan")
+                x[11] = 0
+            got, ref, eager = cm(x), cm0(x), model(x)
+            for g, r, e in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref, eager))):
+                assert g.shape[0] == m
+                torch.testing.assert_close(g, r, rtol=0, atol=0, equal_nan=True)
+                if vs_eager:
+                    torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+
+
 # kind -> rewrites
 TOKEN_QUANT_CASES = {"rmsnorm": 1, "act_mul": 1, "two_readers": 2, "transpose": 1, "per_tensor": 0}
 
@@ -485,7 +509,7 @@ TOKEN_QUANT_CASES = {"rmsnorm": 1, "act_mul": 1, "two_readers": 2, "transpose": 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("kind", list(TOKEN_QUANT_CASES))
 def test_fp8_token_quant_in_the_producer_kernel(kind, device):
-    model = TokenQuantProducer(kind).requires_grad_(False).to(device)
+    model = QuantProducer(kind, *token_layers(kind)).requires_grad_(False).to(device)
     width = 2  # the producers read columns 0 and 1
     rec = RecordingPass(sc.ScaledMMPass(fp8_quant=True))
     # bf16 intermediates rounded as in eager: the fused quantizer then sees eager's activation
@@ -502,21 +526,8 @@ def test_fp8_token_quant_in_the_producer_kernel(kind, device):
     cm0, _ = inductor_compile(model, (torch.randn(3, width, dtype=torch.bfloat16, device=device),),
                               post_grad_custom_post_pass=rec0, **exact)
     assert rec0.stats["fp8_quant"] == 0
-    with one_graph_for_all_m():
-        for m in (0, 1, 3, 17, 300):
-            # rows from 1e-12 (below the amax floor's reach) to 1e6
-            x = torch.randn(m, width, dtype=torch.bfloat16) * torch.logspace(-12, 6, m).reshape(m, 1).bfloat16()
-            x = x.to(device)
-            if m == 17:
-                x[4, 0] = float("inf")  # a non-finite row: NaN / Inf scale in that row alone
-                x[9, 1] = float("nan")
-                x[11] = 0  # the floor
-            got, ref, eager = cm(x), cm0(x), model(x)
-            for g, r, e in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref, eager))):
-                assert g.shape[0] == m
-                torch.testing.assert_close(g, r, rtol=0, atol=0, equal_nan=True)
-                if kind not in ("rmsnorm", "two_readers"):  # a compiled norm sums in its own order
-                    torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+    # a compiled norm sums in its own order: eager's bits only behind the other producers
+    assert_same_quantized_layers(cm, cm0, model, device, vs_eager=kind not in ("rmsnorm", "two_readers"))
 
 
 def test_fp8_token_quant_left_alone_for_a_graph_input():
@@ -542,31 +553,14 @@ def test_fp8_token_scale_divisions_in_float64_round_as_float32_ones():
     assert torch.equal((1.0 / s.double()).float(), torch.reciprocal(s))
 
 
-class GroupQuantProducer(torch.nn.Module):
-    """FP8 block-scaled layers (1 x 128 activation groups) behind a decoder layer's producers."""
+def group_layers(kind, k=512):
+    from scaledmm.layers.fp8_block import Fp8BlockLinear
 
-    def __init__(self, kind, k=512):
-        super().__init__()
-        from scaledmm.layers.fp8_block import Fp8BlockLinear
-
-        self.kind = kind
-        self.lin = Fp8BlockLinear.from_float(torch.nn.Linear(k, 256, bias=kind == "bias", dtype=torch.bfloat16))
-        self.lin2 = Fp8BlockLinear.from_float(torch.nn.Linear(k, 128, bias=False, dtype=torch.bfloat16))
-        self.norm = torch.nn.RMSNorm(k, dtype=torch.bfloat16)
-        torch.nn.init.uniform_(self.norm.weight, 0.5, 1.5)
-        self.register_buffer("g", torch.randn(2, k, dtype=torch.bfloat16))
-
-    def forward(self, x):
-        h = x[:, 0, None] * self.g[0]
-        if self.kind == "rmsnorm":
-            return self.lin(self.norm(h))
-        if self.kind == "two_readers":
-            a = torch.relu(h) * self.g[1]
-            return self.lin(a), self.lin2(a)
-        return self.lin(torch.relu(h) * (x[:, 1, None] * self.g[1]))
+    return (Fp8BlockLinear.from_float(torch.nn.Linear(k, 256, bias=kind == "bias", dtype=torch.bfloat16)),
+            Fp8BlockLinear.from_float(torch.nn.Linear(k, 128, bias=False, dtype=torch.bfloat16)))
 
 
-GROUP_QUANT_CASES = {"rmsnorm": 1, "act_mul": 1, "two_readers": 2, "bias": 1}
+GROUP_QUANT_CASES = {"rmsnorm": 1, "act_mul": 1, "two_readers": 2, "transpose": 1, "bias": 1}
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
@@ -574,7 +568,7 @@ GROUP_QUANT_CASES = {"rmsnorm": 1, "act_mul": 1, "two_readers": 2, "bias": 1}
 def test_fp8_group_quant_in_the_producer_kernel(kind, device):
     if not sc.numerics():
         pytest.skip("this torch has no Inductor option for IEEE float32 divisions")
-    model = GroupQuantProducer(kind).requires_grad_(False).to(device)
+    model = QuantProducer(kind, *group_layers(kind)).requires_grad_(False).to(device)
     exact = {"emulate_precision_casts": True, **sc.numerics()}
     rec = RecordingPass(sc.ScaledMMPass(fp8_block_quant=True))
     cm, code = inductor_compile(model, (torch.randn(3, 2, dtype=torch.bfloat16, device=device),),
@@ -593,17 +587,4 @@ def test_fp8_group_quant_in_the_producer_kernel(kind, device):
     rec0 = RecordingPass(sc.passes())  # off by default
     cm0, _ = inductor_compile(model, (torch.randn(3, 2, dtype=torch.bfloat16, device=device),),
                               post_grad_custom_post_pass=rec0, **exact)
-    with one_graph_for_all_m():
-        for m in (0, 1, 3, 17, 300):
-            x = torch.randn(m, 2, dtype=torch.bfloat16) * torch.logspace(-12, 6, m).reshape(m, 1).bfloat16()
-            x = x.to(device)
-            if m == 17:
-                x[4, 0] = float("inf")  # one row's groups: NaN / Inf scales in that row alone
-                x[9, 1] = float("nan")
-                x[11] = 0  # the floor
-            got, ref, eager = cm(x), cm0(x), model(x)
-            for g, r, e in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, ref, eager))):
-                assert g.shape[0] == m
-                torch.testing.assert_close(g, r, rtol=0, atol=0, equal_nan=True)
-                if kind != "rmsnorm":  # a compiled norm sums in its own order
-                    torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+    assert_same_quantized_layers(cm, cm0, model, device, vs_eager=kind not in ("rmsnorm", "two_readers"))
