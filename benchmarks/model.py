@@ -244,8 +244,9 @@ def add_arguments(parser) -> None:
                         "scaledmm.compile.options() sets it), for every format and bf16 alike (default on; "
                         "--no-inductor-pdl: off)")
     g.add_argument("--fuse-quant", action="store_true",
-                   help="FP8 activations quantized in the kernel that makes them (scaledmm.compile.options("
-                        "fuse_quant=True): the pass's rewrite 5 and IEEE divisions in Inductor's kernels)")
+                   help="the layers' FP8 activations quantized in the kernel that makes them (scaledmm.compile."
+                        "options(fuse_quant=True): the pass's rewrite 5 and IEEE divisions in Inductor's kernels; "
+                        "not generate)")
 
 
 def _parse_list(spec: str, valid: Sequence[str], option: str) -> list[str]:
@@ -588,7 +589,7 @@ def _write(args, out_dir: Path, section: str, body: str) -> None:
 def run_family(args, device: torch.device, cfg: TimingConfig, env: dict, ceil, out_dir: Path) -> int:
     """Run the parts ``args`` ask for; write markdown, CSV, plots and the
     ``RESULTS.md`` sections (``model-<name>`` per model, ``model-generate``).
-    ``--inductor-pdl`` holds for the run only."""
+    ``--inductor-pdl`` (and ``--fuse-quant``'s division option) holds for the run only."""
     import torch._inductor.config as inductor_config
 
     import scaledmm.compile
